@@ -1,0 +1,59 @@
+# The two commands from the README:
+#   make book   set up .venv and build the HTML book into _build/html (no warnings allowed)
+#   make test   set up .venv and run the whole test suite: unit tests + nbval on every chapter
+# Helpers: make execute (re-run notebooks in place, refreshing committed outputs), make lock, make clean.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# Use the data copies beside the checkout when they exist (CI, offline machines); otherwise
+# lib.data and tiktoken download and cache what they need, checksum-verified.
+SHARED := $(abspath ../shared)
+ifneq ($(wildcard $(SHARED)/data/tinyshakespeare.txt),)
+export GPTBOOK_DATA ?= $(SHARED)/data
+endif
+ifneq ($(wildcard $(SHARED)/tiktoken_cache),)
+export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tiktoken_cache
+endif
+export MPLBACKEND := Agg
+export PYTHONHASHSEED := 0
+
+NOTEBOOKS := $(sort $(wildcard chapters/*.ipynb))
+
+.PHONY: book test unit nbval execute lock clean venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-lock.txt
+	@touch $@
+
+book: $(STAMP)
+	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
+	@echo "Book built: open _build/html/index.html"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 -p no:cacheprovider
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests -p no:cacheprovider
+
+nbval: $(STAMP)
+	$(BIN)/python -m pytest $(or $(NB),$(NOTEBOOKS)) --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 -p no:cacheprovider
+
+# Re-execute notebooks in place so their committed outputs match the code (NB=chapters/01_tokens.ipynb for one).
+execute: $(STAMP)
+	$(BIN)/python tools/execute_notebooks.py $(or $(NB),$(NOTEBOOKS))
+
+lock:
+	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' | sort -f > requirements-lock.txt
+
+clean:
+	rm -rf _build

@@ -1,0 +1,131 @@
+"""One figure style for the whole book, ``save_figure``, and the pipeline diagram.
+
+Every figure in ``figures/`` is written by a chapter through :func:`save_figure`; none is drawn by
+hand. Files are deterministic (no timestamps, fixed SVG ids), so re-running a chapter rewrites
+the same bytes on the same software.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+FIGURES_DIR = Path(__file__).resolve().parent.parent / "figures"
+
+# A small, colour-blind-friendly palette (Okabe–Ito) used by every chapter.
+PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
+HIGHLIGHT = "#D55E00"
+MUTED = "#DDE3EA"
+
+STYLE: dict[str, Any] = {
+    "figure.figsize": (6.4, 3.6),
+    "figure.dpi": 110,
+    "savefig.dpi": 150,
+    "savefig.bbox": "tight",
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.prop_cycle": matplotlib.cycler(color=PALETTE),
+    "image.cmap": "viridis",
+    "legend.frameon": False,
+    "svg.hashsalt": "gpt-from-the-ground-up",  # stable element ids in SVG output
+    "svg.fonttype": "path",
+}
+
+_NAME = re.compile(r"^[0-9]{2}-[a-z0-9][a-z0-9-]*$")
+_FORMATS = ("svg", "png")
+
+
+def use_style() -> None:
+    """Apply the book's figure style to matplotlib."""
+    plt.rcParams.update(STYLE)
+
+
+def save_figure(fig: Figure, name: str, fmt: str = "svg") -> Path:
+    """Write ``fig`` to ``figures/<name>.<fmt>`` and return the path.
+
+    ``name`` is ``NN-what`` where NN is the chapter number, e.g. ``"04-attention-heatmap"``; the
+    chapter shows the file with a numbered ``{figure}`` directive. The figure stays open so that
+    Jupyter and Colab also display it under the cell.
+    """
+    if not isinstance(fig, Figure):
+        raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"name must look like 'NN-lowercase-words' (e.g. '04-attention'), got {name!r}")
+    if fmt not in _FORMATS:
+        raise ValueError(f"fmt must be one of {_FORMATS}, got {fmt!r}")
+    FIGURES_DIR.mkdir(parents=True, exist_ok=True)
+    path = FIGURES_DIR / f"{name}.{fmt}"
+    metadata = {"Date": None} if fmt == "svg" else {"Software": None}
+    fig.savefig(path, format=fmt, metadata=metadata)
+    return path
+
+
+PIPELINE_STAGES: tuple[str, ...] = (
+    "text",
+    "tokens",
+    "embeddings",
+    "positions",
+    "blocks",
+    "projection",
+    "softmax",
+    "next token",
+)
+
+_STAGE_NOTES = {
+    "text": '"To be, or"',
+    "tokens": "ids",
+    "embeddings": "vectors",
+    "positions": "+ order",
+    "blocks": "attention\n+ FFN  × L",
+    "projection": "logits",
+    "softmax": "probabilities",
+    "next token": '" not"',
+}
+
+
+def pipeline_figure(highlight: str | Sequence[str] | None = None) -> Figure:
+    """Draw text → tokens → embeddings → … → next token, with ``highlight`` stage(s) in colour.
+
+    ``highlight`` is one stage name from :data:`PIPELINE_STAGES`, a sequence of them, or None.
+    """
+    if highlight is None:
+        wanted: set[str] = set()
+    elif isinstance(highlight, str):
+        wanted = {highlight}
+    else:
+        wanted = set(highlight)
+    unknown = wanted - set(PIPELINE_STAGES)
+    if unknown:
+        raise ValueError(f"highlight must name stages from {PIPELINE_STAGES}, got {sorted(unknown)}")
+
+    n = len(PIPELINE_STAGES)
+    fig, ax = plt.subplots(figsize=(10, 1.9))
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    box_w, box_h = 0.84, 0.46
+    for i, stage in enumerate(PIPELINE_STAGES):
+        on = stage in wanted
+        x0 = i + (1 - box_w) / 2
+        box = FancyBboxPatch((x0, 0.36), box_w, box_h, boxstyle="round,pad=0.02,rounding_size=0.08",
+                             facecolor=HIGHLIGHT if on else MUTED, edgecolor="none")
+        ax.add_patch(box)
+        ax.text(i + 0.5, 0.59, stage, ha="center", va="center", fontsize=10,
+                fontweight="bold", color="white" if on else "#333333")
+        ax.text(i + 0.5, 0.16, _STAGE_NOTES[stage], ha="center", va="center", fontsize=8,
+                color=HIGHLIGHT if on else "#666666")
+        if i < n - 1:
+            ax.add_patch(FancyArrowPatch((x0 + box_w + 0.01, 0.59), (i + 1 + (1 - box_w) / 2 - 0.01, 0.59),
+                                         arrowstyle="-|>", mutation_scale=10, color="#888888"))
+    fig.tight_layout(pad=0.2)
+    return fig

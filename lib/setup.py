@@ -1,0 +1,138 @@
+"""Notebook bootstrap: one call at the top of every chapter.
+
+The chapter's first cell finds (or, on Colab, clones) the repository, puts it on ``sys.path`` and
+calls :func:`setup`. ``setup`` installs the requirements when running on Colab (without touching
+Colab's torch), picks the device, seeds every random generator, fixes print options and the figure
+style, and returns an :class:`Env` describing where the notebook runs.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+_VALID_DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def in_colab() -> bool:
+    """True when running inside Google Colab."""
+    return "google.colab" in sys.modules
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """Return the device to compute on: CUDA if present, then Apple MPS, else CPU.
+
+    ``preference`` forces one of 'cpu', 'cuda', 'mps' (or 'auto'). The environment variable
+    ``GPTBOOK_DEVICE`` overrides 'auto', which lets CI and readers pin the CPU path.
+    """
+    if not isinstance(preference, str) or preference not in _VALID_DEVICES:
+        raise ValueError(f"preference must be one of {_VALID_DEVICES}, got {preference!r}")
+    if preference == "auto":
+        preference = os.environ.get("GPTBOOK_DEVICE", "auto")
+        if preference not in _VALID_DEVICES:
+            raise ValueError(f"GPTBOOK_DEVICE must be one of {_VALID_DEVICES}, got {preference!r}")
+    if preference == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ValueError("preference='cuda' but torch.cuda.is_available() is False")
+    if preference == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("preference='mps' but torch.backends.mps.is_available() is False")
+    return torch.device(preference)
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python's, NumPy's and torch's generators (all devices) with ``seed``."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds CUDA and MPS generators
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where a chapter runs and the settings that depend on it."""
+
+    device: torch.device
+    colab: bool
+    root: Path = field(default=ROOT)
+    seed: int = 0
+
+    @property
+    def accelerated(self) -> bool:
+        """True on a GPU (CUDA or MPS): chapters then use their larger settings."""
+        return self.device.type in ("cuda", "mps")
+
+    def pick(self, cpu: T, gpu: T) -> T:
+        """The one switch between small CPU settings (what CI runs) and larger GPU settings."""
+        return gpu if self.accelerated else cpu
+
+
+def _install_requirements_on_colab(root: Path) -> None:
+    """Install requirements.txt on Colab; its ranges are satisfied by Colab's torch, so torch stays."""
+    marker = root / ".colab-installed"
+    if marker.exists():
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-r",
+                    str(root / "requirements.txt")], check=True)
+    marker.touch()
+
+
+def setup(seed: int = 0, device: str = "auto") -> Env:
+    """Prepare a chapter: install on Colab, choose the device, seed, set print and figure style."""
+    colab = in_colab()
+    if colab:
+        _install_requirements_on_colab(ROOT)
+    seed_everything(seed)
+    torch.set_printoptions(precision=4, sci_mode=False, linewidth=100)
+    np.set_printoptions(precision=4, suppress=True, linewidth=100)
+    # Imported here so that a failure to import matplotlib never hides a device or seed problem.
+    from lib import plotting
+
+    plotting.use_style()
+    return Env(device=pick_device(device), colab=colab, seed=seed)
+
+
+def glue(name: str, value: Any, display: bool = False) -> None:
+    """Store ``value`` under ``name`` for ``{glue:text}`` in the book's prose.
+
+    Uses myst-nb's ``glue`` when it is installed (building the book, running the tests); on a
+    reader's machine without myst-nb (plain Colab) it shows the value instead of failing.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    try:
+        from myst_nb import glue as _glue
+    except ImportError:  # pragma: no cover - exercised only without myst-nb
+        if display:
+            print(f"{name} = {value!r}")
+        return
+    _glue(name, value, display=display)
+
+
+def show_source(obj: Callable[..., Any] | type) -> Any:
+    """Return a library object's source as highlighted code (each chapter's 'library version')."""
+    import inspect
+
+    if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismethod(obj)):
+        raise TypeError(f"obj must be a function, method or class, got {type(obj).__name__}")
+    source = inspect.getsource(obj)
+    try:
+        from IPython.display import Code
+    except ImportError:  # pragma: no cover
+        return source
+    return Code(source, language="python")

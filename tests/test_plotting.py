@@ -1,0 +1,63 @@
+import matplotlib.pyplot as plt
+import pytest
+
+from lib import plotting
+
+
+@pytest.fixture()
+def figdir(tmp_path, monkeypatch):
+    monkeypatch.setattr(plotting, "FIGURES_DIR", tmp_path)
+    return tmp_path
+
+
+def test_save_figure_is_deterministic(figdir):
+    plotting.use_style()
+    paths = []
+    for _ in range(2):
+        fig, ax = plt.subplots()
+        ax.plot([0, 1, 2], [1, 0, 1])
+        paths.append(plotting.save_figure(fig, "99-test").read_bytes())
+        plt.close(fig)
+    assert paths[0] == paths[1]
+    assert b"<svg" in paths[0]
+
+
+def test_save_figure_png(figdir):
+    fig, _ = plt.subplots()
+    path = plotting.save_figure(fig, "99-test-png", fmt="png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("name", ["figure", "4-x", "04_x", "04-", "04-Upper", ""])
+def test_save_figure_rejects_bad_names(figdir, name):
+    fig, _ = plt.subplots()
+    with pytest.raises(ValueError, match="name"):
+        plotting.save_figure(fig, name)
+    plt.close(fig)
+
+
+def test_save_figure_rejects_bad_arguments(figdir):
+    with pytest.raises(TypeError, match="fig"):
+        plotting.save_figure("not a figure", "99-x")
+    fig, _ = plt.subplots()
+    with pytest.raises(ValueError, match="fmt"):
+        plotting.save_figure(fig, "99-x", fmt="jpg")
+    plt.close(fig)
+
+
+def test_pipeline_figure_highlights_stages():
+    for highlight in (None, "blocks", ["tokens", "embeddings"]):
+        fig = plotting.pipeline_figure(highlight)
+        texts = [t.get_text() for t in fig.axes[0].texts]
+        assert all(stage in texts for stage in plotting.PIPELINE_STAGES)
+        plt.close(fig)
+    fig = plotting.pipeline_figure("blocks")
+    colours = [p.get_facecolor() for p in fig.axes[0].patches if hasattr(p, "get_boxstyle")]
+    assert len({c for c in colours}) == 2  # one highlighted, the rest muted
+    plt.close(fig)
+
+
+def test_pipeline_figure_rejects_unknown_stage():
+    with pytest.raises(ValueError, match="highlight"):
+        plotting.pipeline_figure("attention")
