@@ -1,0 +1,192 @@
+"""Telling a transformer where each token sits: sinusoidal table, learned table, rotary embedding.
+
+Attention on its own treats its input as a set; these modules give it order.
+
+- :func:`sinusoidal_table` and :class:`SinusoidalPositionalEncoding`: a fixed vector per position,
+  added to the token embeddings (the original transformer).
+- :class:`LearnedPositionalEmbedding`: one trained vector per position, added the same way (GPT-2).
+  It knows only the positions it was built for.
+- :class:`RotaryEmbedding`: rotates queries and keys by position-dependent angles inside attention,
+  so that their dot product depends on relative position (RoPE, Llama).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``, or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_base(base: object) -> float:
+    """``base`` as a finite float > 1, or a ValueError."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
+        raise ValueError(f"base must be a finite number > 1, got {base!r}")
+    return float(base)
+
+
+def _check_even(name: str, value: object) -> int:
+    """``value`` as a positive even int, or a ValueError naming ``name``."""
+    value = _check_int(name, value, 2)
+    if value % 2:
+        raise ValueError(f"{name} must be even (dimensions come in sin/cos pairs), got {value}")
+    return value
+
+
+def sinusoidal_table(n_positions: int, d_model: int, base: float = 10000.0) -> Tensor:
+    """The fixed sinusoidal encoding, shape ``(n_positions, d_model)``, float32, interleaved.
+
+    ``PE[t, 2i] = sin(t / base^(2i/d))`` and ``PE[t, 2i+1] = cos(t / base^(2i/d))``.
+    """
+    n_positions = _check_int("n_positions", n_positions, 1)
+    d_model = _check_even("d_model", d_model)
+    base = _check_base(base)
+    # Angles in float64 so that large positions keep their digits; the table itself is float32.
+    t = torch.arange(n_positions, dtype=torch.float64)                               # (T,)
+    inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
+    angles = torch.outer(t, inv_freq)                                                 # (T, d/2)
+    table = torch.empty(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.float()
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Sinusoidal encodings for positions ``0 … context_length-1``, kept as a (non-trained) buffer.
+
+    ``forward(T, offset)`` returns rows ``offset … offset+T-1``. Being a formula, it also answers for
+    positions past ``context_length`` (computed on the fly), although a model never saw them.
+    """
+
+    def __init__(self, context_length: int, d_model: int, base: float = 10000.0) -> None:
+        super().__init__()
+        self.context_length = _check_int("context_length", context_length, 1)
+        self.d_model = _check_even("d_model", d_model)
+        self.base = _check_base(base)
+        self.register_buffer("table", sinusoidal_table(context_length, d_model, base), persistent=False)
+
+    def forward(self, T: int, offset: int = 0) -> Tensor:
+        """Encodings of positions ``offset … offset+T-1``: shape ``(T, d_model)``."""
+        T = _check_int("T", T, 1)
+        offset = _check_int("offset", offset, 0)
+        if offset + T <= self.context_length:
+            return self.table[offset:offset + T]
+        longer = sinusoidal_table(offset + T, self.d_model, self.base)
+        return longer[offset:].to(device=self.table.device, dtype=self.table.dtype)
+
+    def extra_repr(self) -> str:
+        return f"context_length={self.context_length}, d_model={self.d_model}, base={self.base:g}"
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """One trainable vector per position ``0 … context_length-1`` (GPT-2's ``wpe``).
+
+    There is no vector for any later position: asking for one raises a ValueError.
+    """
+
+    def __init__(self, context_length: int, d_model: int) -> None:
+        super().__init__()
+        self.context_length = _check_int("context_length", context_length, 1)
+        self.d_model = _check_int("d_model", d_model, 1)
+        self.embedding = nn.Embedding(context_length, d_model)
+        nn.init.normal_(self.embedding.weight, mean=0.0, std=0.02)  # GPT-2's initialisation
+
+    @property
+    def weight(self) -> Tensor:
+        """The table, shape ``(context_length, d_model)``."""
+        return self.embedding.weight
+
+    def forward(self, T: int, offset: int = 0) -> Tensor:
+        """Embeddings of positions ``offset … offset+T-1``: shape ``(T, d_model)``."""
+        T = _check_int("T", T, 1)
+        offset = _check_int("offset", offset, 0)
+        last = offset + T - 1
+        if last >= self.context_length:
+            raise ValueError(
+                f"positions {offset}..{last} requested, but a learned positional embedding only has "
+                f"positions 0..{self.context_length - 1} (context_length={self.context_length}); "
+                f"crop the sequence to at most {self.context_length} tokens")
+        positions = torch.arange(offset, offset + T, device=self.weight.device)  # (T,)
+        return self.embedding(positions)                                         # (T, C)
+
+    def extra_repr(self) -> str:
+        return f"context_length={self.context_length}, d_model={self.d_model}"
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension (a 90° turn of each pair)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE) for queries and keys, half-split ("rotate_half") layout.
+
+    Dimension ``i`` and dimension ``i + D/2`` form a pair that is rotated by the angle
+    ``position * base^(-2i/D)``. Rotating both queries and keys makes ``q·k`` depend only on the
+    distance between their positions. Angles, cos and sin are computed in float32 and cast to
+    the input's dtype.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim = _check_even("head_dim", head_dim)
+        self.base = _check_base(base)
+        inv_freq = self.base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (D/2,)
+
+    def angles(self, positions: Tensor | Sequence[int] | int) -> Tensor:
+        """Rotation angles, shape ``(P, D/2)``: entry ``[p, i] = positions[p] * base^(-2i/D)``.
+
+        ``positions`` is a 1-D tensor or sequence of positions, or an int ``n`` meaning ``0 … n-1``.
+        """
+        if isinstance(positions, int) and not isinstance(positions, bool):
+            positions = torch.arange(_check_int("positions", positions, 1))
+        elif not isinstance(positions, Tensor):
+            if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence):
+                raise TypeError(f"positions must be an int, a sequence or a 1-D tensor, got "
+                                f"{type(positions).__name__}")
+            positions = torch.tensor(positions)
+        if positions.ndim != 1 or positions.is_complex() or positions.dtype == torch.bool:
+            raise ValueError(f"positions must be a 1-D real tensor, got shape {tuple(positions.shape)} "
+                             f"and dtype {positions.dtype}")
+        positions = positions.to(device=self.inv_freq.device, dtype=torch.float32)
+        return torch.outer(positions, self.inv_freq)  # (P, D/2)
+
+    def cos_sin(self, T: int, offset: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles for positions ``offset … offset+T-1``, each ``(T, D)``, float32."""
+        T = _check_int("T", T, 1)
+        offset = _check_int("offset", offset, 0)
+        positions = torch.arange(offset, offset + T, device=self.inv_freq.device)
+        angles = self.angles(positions)                 # (T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)   # (T, D): dims i and i + D/2 share an angle
+        if device is not None:
+            angles = angles.to(device)
+        return angles.cos(), angles.sin()
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Rotate ``x`` of shape ``(B, H, T, D)`` (any ``(..., T, D)``) by positions ``offset … offset+T-1``."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim < 2 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must have shape (..., T, head_dim={self.head_dim}), got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        offset = _check_int("offset", offset, 0)
+        T = x.shape[-2]
+        if T == 0:
+            return x
+        cos, sin = self.cos_sin(T, offset, device=x.device)      # (T, D) each, float32
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + rotate_half(x) * sin                      # (..., T, D)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}"

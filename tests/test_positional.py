@@ -1,0 +1,220 @@
+import math
+
+import pytest
+import torch
+
+from lib.positional import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
+                            rotate_half, sinusoidal_table)
+
+
+# ---------------------------------------------------------------- sinusoidal
+
+def test_table_matches_the_formula_entry_by_entry():
+    n, d, base = 50, 12, 10000.0
+    table = sinusoidal_table(n, d, base)
+    assert table.shape == (n, d) and table.dtype == torch.float32
+    for t in range(n):
+        for i in range(d // 2):
+            angle = t / base ** (2 * i / d)
+            assert table[t, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[t, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_table_other_base_and_first_row():
+    table = sinusoidal_table(8, 4, base=100.0)
+    assert torch.equal(table[0], torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    assert table[3, 2].item() == pytest.approx(math.sin(3 / 100.0 ** 0.5), abs=1e-6)
+
+
+def test_shift_by_k_is_a_fixed_linear_map():
+    # PE(t + k) = M_k PE(t) with M_k block-diagonal rotations, the same for every t.
+    n, d, k = 40, 8, 5
+    table = sinusoidal_table(n + k, d).double()
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    M = torch.zeros(d, d, dtype=torch.float64)
+    for i, w in enumerate(inv_freq):
+        c, s = math.cos(k * w), math.sin(k * w)
+        M[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[c, s], [-s, c]])
+    torch.testing.assert_close(table[:n] @ M.T, table[k:], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(n_positions=0, d_model=4), "n_positions"),
+    (dict(n_positions=4, d_model=5), "d_model"),
+    (dict(n_positions=4, d_model=0), "d_model"),
+    (dict(n_positions=4.0, d_model=4), "n_positions"),
+    (dict(n_positions=True, d_model=4), "n_positions"),
+    (dict(n_positions=4, d_model=4, base=1.0), "base"),
+    (dict(n_positions=4, d_model=4, base=float("inf")), "base"),
+    (dict(n_positions=4, d_model=4, base="10000"), "base"),
+])
+def test_table_rejects_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        sinusoidal_table(**kwargs)
+
+
+def test_odd_d_model_error_says_even():
+    with pytest.raises(ValueError, match="even"):
+        sinusoidal_table(10, 7)
+
+
+def test_sinusoidal_module_rows_offset_and_beyond_table():
+    pe = SinusoidalPositionalEncoding(16, 8)
+    full = sinusoidal_table(40, 8)
+    assert pe(16).shape == (16, 8)
+    torch.testing.assert_close(pe(16), full[:16])
+    torch.testing.assert_close(pe(3, offset=5), full[5:8])
+    torch.testing.assert_close(pe(10, offset=30), full[30:40])  # a formula: no hard limit
+    assert not list(pe.parameters()) and "table" not in pe.state_dict()  # a buffer, not trained
+
+
+@pytest.mark.parametrize("args, name", [((0,), "T"), ((2.5,), "T"), ((3, -1), "offset"), ((3, 1.0), "offset")])
+def test_sinusoidal_module_rejects_bad_arguments(args, name):
+    with pytest.raises(ValueError, match=name):
+        SinusoidalPositionalEncoding(8, 4)(*args)
+    with pytest.raises(ValueError, match="d_model"):
+        SinusoidalPositionalEncoding(8, 3)
+    with pytest.raises(ValueError, match="context_length"):
+        SinusoidalPositionalEncoding(0, 4)
+
+
+# ---------------------------------------------------------------- learned
+
+def test_learned_embedding_rows_and_gradients():
+    torch.manual_seed(0)
+    emb = LearnedPositionalEmbedding(10, 6)
+    assert emb.weight.shape == (10, 6) and emb.weight.requires_grad
+    assert emb(10).shape == (10, 6)
+    torch.testing.assert_close(emb(4, offset=6), emb.weight[6:10])
+    emb(3, offset=2).sum().backward()
+    rows_with_grad = emb.weight.grad.abs().sum(dim=1).nonzero().flatten().tolist()
+    assert rows_with_grad == [2, 3, 4]
+    assert 0.01 < emb.weight.std().item() < 0.03  # GPT-2 style init
+
+
+@pytest.mark.parametrize("T, offset", [(11, 0), (1, 10), (5, 7)])
+def test_learned_embedding_refuses_positions_past_its_table(T, offset):
+    emb = LearnedPositionalEmbedding(10, 4)
+    last = offset + T - 1
+    with pytest.raises(ValueError, match=rf"positions {offset}\.\.{last}.*0\.\.9.*context_length=10"):
+        emb(T, offset=offset)
+
+
+def test_learned_embedding_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="context_length"):
+        LearnedPositionalEmbedding(0, 4)
+    with pytest.raises(ValueError, match="d_model"):
+        LearnedPositionalEmbedding(4, -1)
+    emb = LearnedPositionalEmbedding(4, 2)
+    with pytest.raises(ValueError, match="T"):
+        emb(0)
+    with pytest.raises(ValueError, match="offset"):
+        emb(1, offset=-1)
+
+
+# ---------------------------------------------------------------- rotary
+
+def test_rotate_half_is_a_quarter_turn_of_each_pair():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert torch.equal(rotate_half(x), torch.tensor([-3.0, -4.0, 1.0, 2.0]))
+    assert torch.equal(rotate_half(rotate_half(x)), -x)
+
+
+def test_rope_matches_a_direct_pairwise_rotation():
+    torch.manual_seed(0)
+    D, T, base = 8, 6, 500.0
+    rope = RotaryEmbedding(D, base=base)
+    x = torch.randn(2, 3, T, D, dtype=torch.float64)
+    out = rope(x)
+    expected = torch.empty_like(x)
+    for t in range(T):
+        for i in range(D // 2):
+            theta = t * base ** (-2 * i / D)
+            c, s = math.cos(theta), math.sin(theta)
+            a, b = x[..., t, i], x[..., t, i + D // 2]
+            expected[..., t, i] = a * c - b * s
+            expected[..., t, i + D // 2] = a * s + b * c
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_preserves_norms_and_leaves_position_zero_alone():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(16)
+    x = torch.randn(2, 4, 32, 16)
+    out = rope(x, offset=100)
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(rope(x[:, :, :1]), x[:, :, :1])
+
+
+def test_rope_dot_product_depends_only_on_relative_position():
+    torch.manual_seed(0)
+    D = 32
+    rope = RotaryEmbedding(D)
+    q = torch.randn(D, dtype=torch.float64)
+    k = torch.randn(D, dtype=torch.float64)
+
+    def score(m: int, n: int) -> float:
+        qm = rope(q.view(1, 1, 1, D), offset=m)
+        kn = rope(k.view(1, 1, 1, D), offset=n)
+        return (qm * kn).sum().item()
+
+    for delta in (0, 1, 3, 17, -5):
+        reference = score(max(delta, 0), max(-delta, 0))  # m - n = delta at the smallest positions
+        for start in (2, 10, 57, 300):
+            m, n = start + max(delta, 0), start + max(-delta, 0)
+            assert score(m, n) == pytest.approx(reference, abs=1e-3), (m, n)
+    # ... and it does depend on the relative position.
+    assert abs(score(5, 0) - score(0, 0)) > 1e-2
+
+
+def test_rope_offset_matches_rotating_the_whole_sequence():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 2, 12, 8)
+    full = rope(x)
+    torch.testing.assert_close(rope(x[:, :, -1:], offset=11), full[:, :, -1:])
+    torch.testing.assert_close(rope(x[:, :, 4:9], offset=4), full[:, :, 4:9])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_rope_keeps_the_input_dtype(dtype):
+    rope = RotaryEmbedding(8)
+    x = torch.randn(1, 2, 5, 8).to(dtype)
+    out = rope(x, offset=3)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), rope(x.float(), offset=3), atol=2e-2, rtol=2e-2)
+
+
+def test_rope_angles_schedule():
+    rope = RotaryEmbedding(8, base=10000.0)
+    angles = rope.angles(4)
+    assert angles.shape == (4, 4)
+    torch.testing.assert_close(angles[1], torch.tensor([10000.0 ** (-i / 8) for i in range(0, 8, 2)]))
+    torch.testing.assert_close(rope.angles([0, 2]), angles[[0, 2]])
+    torch.testing.assert_close(rope.angles(torch.tensor([3])), angles[3:])
+    cos, sin = rope.cos_sin(4, offset=0)
+    torch.testing.assert_close(cos, torch.cat((angles, angles), dim=-1).cos())
+
+
+def test_rope_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="even"):
+        RotaryEmbedding(7)
+    with pytest.raises(ValueError, match="head_dim"):
+        RotaryEmbedding(0)
+    with pytest.raises(ValueError, match="base"):
+        RotaryEmbedding(8, base=0.5)
+    rope = RotaryEmbedding(8)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        rope(torch.randn(1, 1, 3, 6))
+    with pytest.raises(ValueError, match="shape"):
+        rope(torch.randn(8))
+    with pytest.raises(ValueError, match="floating"):
+        rope(torch.ones(1, 1, 3, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        rope([[0.0] * 8])
+    with pytest.raises(ValueError, match="offset"):
+        rope(torch.randn(1, 1, 3, 8), offset=-2)
+    with pytest.raises(ValueError, match="positions"):
+        rope.angles(torch.zeros(2, 2))
+    with pytest.raises(TypeError, match="positions"):
+        rope.angles("abc")
