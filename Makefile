@@ -34,6 +34,7 @@ $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt
 	@touch $@
 
 book: $(STAMP)
+	$(BIN)/python tools/fetch_mathjax.py
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 	@echo "Book built: open _build/html/index.html"
 

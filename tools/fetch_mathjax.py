@@ -1,0 +1,75 @@
+"""Put MathJax 3 into _static/mathjax so the built book renders math without a CDN.
+
+Downloads the mathjax package from the npm registry once (SHA-256 verified, cached under
+GPTBOOK_CACHE), and unpacks its browser bundle. If the package cannot be fetched (offline, nothing
+cached), it writes a small loader that takes MathJax from its public CDN instead, so the build
+still succeeds and math renders wherever the reader is online.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+VERSION = "3.2.2"
+URL = f"https://registry.npmjs.org/mathjax/-/mathjax-{VERSION}.tgz"
+SHA256 = "1b9c0a1c44df864e915690558e72adb9cc5203360daefd385084ced3b6c64c09"
+ROOT = Path(__file__).resolve().parent.parent
+DEST = ROOT / "_static" / "mathjax"
+ENTRY = "tex-mml-chtml.js"
+CDN_LOADER = f"""// MathJax could not be bundled when this book was built; load it from the CDN.
+(function () {{
+  var s = document.createElement("script");
+  s.src = "https://cdn.jsdelivr.net/npm/mathjax@{VERSION}/es5/{ENTRY}";
+  s.async = true;
+  document.head.appendChild(s);
+}})();
+"""
+
+
+def cached_tarball() -> bytes | None:
+    cache = Path(os.environ.get("GPTBOOK_CACHE", Path.home() / ".cache" / "gpt-from-the-ground-up"))
+    path = cache / f"mathjax-{VERSION}.tgz"
+    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == SHA256:
+        return path.read_bytes()
+    try:
+        data = urllib.request.urlopen(URL, timeout=60).read()
+    except OSError as exc:
+        print(f"fetch_mathjax: could not download {URL} ({exc})", file=sys.stderr)
+        return None
+    if hashlib.sha256(data).hexdigest() != SHA256:
+        print(f"fetch_mathjax: {URL} failed its SHA-256 check; not using it", file=sys.stderr)
+        return None
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return data
+
+
+def main() -> None:
+    marker = DEST / f".version-{VERSION}"
+    if marker.exists():
+        return
+    DEST.mkdir(parents=True, exist_ok=True)
+    data = cached_tarball()
+    if data is None:
+        (DEST / ENTRY).write_text(CDN_LOADER)
+        print("fetch_mathjax: wrote a CDN loader instead; math renders only online", file=sys.stderr)
+        return
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.startswith("package/es5/"):
+                target = DEST / member.name.removeprefix("package/es5/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(member).read())
+    marker.touch()
+    print(f"fetch_mathjax: MathJax {VERSION} unpacked into {DEST.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
