@@ -1,0 +1,488 @@
+"""Tokenizers: turn text into integer ids and back.
+
+- :class:`CharTokenizer`: one id per character seen in a training text (the tiny model's tokenizer).
+- :class:`BPETokenizer`: byte-level byte-pair encoding with a regex pre-split, as in GPT-2 and GPT-4:
+  ``train``, ``encode``, ``decode``, ``save``, ``load``, and ``from_tiktoken("cl100k_base")``, which
+  rebuilds OpenAI's tokenizer from its ranks and encodes ordinary text exactly as tiktoken does.
+- :func:`learn_merges` (fast, incremental pair counts) and :func:`learn_merges_naive` (the slow
+  reference that recounts every pair after every merge); both return identical merges.
+
+Training and encoding work on the *unique* pre-split chunks of a text with their counts, never on the
+whole text, so TinyShakespeare (about 300k chunks but only about 14k distinct ones) trains in seconds.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import regex
+
+Pair = tuple[int, int]
+
+# GPT-2's pre-split: contractions, optional space + letters, optional space + digits, optional space +
+# other symbols, then whitespace (a run of spaces keeps its last space for the next word).
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# cl100k_base's pre-split (GPT-3.5/GPT-4): case-insensitive contractions, a letter run with at most one
+# leading non-letter, digits in groups of at most three, symbol runs with their newlines, whitespace.
+GPT4_SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+
+_FORMAT = "gptbook-bpe"
+_FORMAT_VERSION = 1
+_CACHE_LIMIT = 1 << 18  # chunk encodings kept per tokenizer before the cache is cleared
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks shared by both tokenizers
+# --------------------------------------------------------------------------------------------------
+
+def _check_text(text: Any, name: str = "text") -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    return text
+
+
+def _as_id_list(ids: Any, vocab_size: int, known: Mapping[int, Any] | None = None) -> list[int]:
+    """``ids`` as a list of Python ints, checked: a list/tuple of ints or a 1-D integer tensor/array."""
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # torch tensor, numpy array
+        if getattr(ids, "ndim", 1) != 1:
+            raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"ids must be a list of ints (or a 1-D integer tensor), got {type(ids).__name__}")
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"ids must contain ints, got {i!r} of type {type(i).__name__}")
+        if not 0 <= i < vocab_size or (known is not None and i not in known):
+            raise ValueError(f"id {i} is not in the vocabulary (ids are 0..{vocab_size - 1})")
+        out.append(i)
+    return out
+
+
+def _check_vocab_size(vocab_size: Any) -> int:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size must be at least 256 for a byte-level BPE (one token per byte), "
+                         f"got {vocab_size}")
+    return vocab_size
+
+
+def _compile_pattern(pattern: Any) -> regex.Pattern:
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a str (a regular expression), got {type(pattern).__name__}")
+    try:
+        return regex.compile(pattern)
+    except regex.error as exc:
+        raise ValueError(f"pattern is not a valid regular expression: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# Character-level tokenizer
+# --------------------------------------------------------------------------------------------------
+
+class CharTokenizer:
+    """One id per character: ``chars[i]`` has id ``i``.
+
+    Built from a text with :meth:`from_text` (ids follow sorted character order). A character that is
+    not in the vocabulary cannot be encoded: :meth:`encode` raises a ValueError naming it.
+    """
+
+    def __init__(self, chars: Sequence[str]) -> None:
+        if isinstance(chars, str) or not isinstance(chars, (list, tuple)):
+            raise TypeError(f"chars must be a list of single characters, got {type(chars).__name__}")
+        if not chars:
+            raise ValueError("chars must not be empty")
+        for c in chars:
+            if not isinstance(c, str) or len(c) != 1:
+                raise ValueError(f"chars must hold single characters, got {c!r}")
+        if len(set(chars)) != len(chars):
+            dupes = sorted(c for c, n in Counter(chars).items() if n > 1)
+            raise ValueError(f"chars must be distinct, got duplicates {dupes}")
+        self.chars: list[str] = list(chars)
+        self.stoi: dict[str, int] = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        """The tokenizer whose vocabulary is every distinct character of ``text``, sorted."""
+        _check_text(text)
+        if not text:
+            raise ValueError("text must not be empty: the vocabulary is built from its characters")
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct ids."""
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the characters of ``text``; an unknown character raises ValueError."""
+        _check_text(text)
+        stoi = self.stoi
+        try:
+            return [stoi[c] for c in text]
+        except KeyError:
+            pos = next(i for i, c in enumerate(text) if c not in stoi)
+            raise ValueError(f"character {text[pos]!r} (at position {pos}) is not in the vocabulary of "
+                             f"{self.vocab_size} characters") from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of a list (or 1-D tensor) of ids."""
+        return "".join(self.chars[i] for i in _as_id_list(ids, self.vocab_size))
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Byte-pair encoding: the pieces
+# --------------------------------------------------------------------------------------------------
+
+def split_text(text: str, pattern: str = GPT4_SPLIT_PATTERN) -> list[str]:
+    """Pre-split ``text`` into chunks with ``pattern``; BPE never merges across chunk boundaries."""
+    return _compile_pattern(pattern).findall(_check_text(text))
+
+
+def chunk_counts(text: str, pattern: str = GPT4_SPLIT_PATTERN) -> Counter[str]:
+    """How often each distinct chunk of ``text`` occurs (the training data of BPE)."""
+    return Counter(split_text(text, pattern))
+
+
+def merge_pair(ids: Sequence[int], pair: Pair, new_id: int) -> list[int]:
+    """Replace each occurrence of ``pair`` in ``ids`` with ``new_id``, scanning left to right.
+
+    Occurrences never overlap: ``merge_pair([7, 7, 7], (7, 7), 9) == [9, 7]``.
+    """
+    a, b = pair
+    out: list[int] = []
+    i, n = 0, len(ids)
+    while i < n:
+        if i < n - 1 and ids[i] == a and ids[i + 1] == b:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def _chunk_words(chunks: Mapping[str, int] | Mapping[bytes, int]) -> tuple[list[list[int]], list[int]]:
+    if not isinstance(chunks, Mapping):
+        raise TypeError(f"chunks must map chunk (str or bytes) -> count, got {type(chunks).__name__}")
+    words, freqs = [], []
+    for chunk, count in chunks.items():
+        if isinstance(chunk, str):
+            chunk = chunk.encode("utf-8")
+        if not isinstance(chunk, bytes):
+            raise TypeError(f"chunks must have str or bytes keys, got {type(chunk).__name__}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"chunk counts must be positive ints, got {count!r} for {chunk!r}")
+        words.append(list(chunk))
+        freqs.append(count)
+    return words, freqs
+
+
+def _check_n_merges(n_merges: Any) -> int:
+    if isinstance(n_merges, bool) or not isinstance(n_merges, int):
+        raise TypeError(f"n_merges must be an int, got {type(n_merges).__name__}")
+    if n_merges < 0:
+        raise ValueError(f"n_merges must be >= 0, got {n_merges}")
+    return n_merges
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What training learned: ``merges[k]`` became id ``256 + k``; ``n_tokens[k]`` is the length of the
+    training text in tokens after ``k`` merges (so ``n_tokens[0]`` is its length in bytes)."""
+
+    merges: list[Pair]
+    n_tokens: list[int]
+    pair_counts: list[int]  # how often merges[k] occurred when it was chosen
+
+
+def learn_merges_naive(chunks: Mapping[str, int], n_merges: int) -> MergeResult:
+    """Slow reference BPE trainer: after every merge, recount every pair of every chunk.
+
+    Picks the most frequent pair, ties broken by the smaller pair ``(a, b)``; stops early when no
+    pair is left (every chunk is a single token). Same result as :func:`learn_merges`.
+    """
+    words, freqs = _chunk_words(chunks)
+    _check_n_merges(n_merges)
+    merges: list[Pair] = []
+    counts_chosen: list[int] = []
+    n_tokens = [sum(len(w) * f for w, f in zip(words, freqs))]
+    for k in range(n_merges):
+        counts: dict[Pair, int] = defaultdict(int)
+        for w, f in zip(words, freqs):
+            for pair in zip(w, w[1:]):
+                counts[pair] += f
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        words = [merge_pair(w, best, 256 + k) for w in words]
+        merges.append(best)
+        counts_chosen.append(counts[best])
+        n_tokens.append(sum(len(w) * f for w, f in zip(words, freqs)))
+    return MergeResult(merges, n_tokens, counts_chosen)
+
+
+def learn_merges(chunks: Mapping[str, int], n_merges: int, verbose: bool = False) -> MergeResult:
+    """Fast BPE trainer: keep pair counts and, per pair, the chunks that contain it; after a merge,
+    update only the chunks where the merged pair occurred.
+
+    A heap with lazy deletion finds the most frequent pair (ties: the smaller pair) in O(log P).
+    Returns exactly what :func:`learn_merges_naive` returns.
+    """
+    words, freqs = _chunk_words(chunks)
+    _check_n_merges(n_merges)
+    counts: dict[Pair, int] = defaultdict(int)
+    where: dict[Pair, set[int]] = defaultdict(set)  # pair -> indices of chunks that (may) contain it
+    for i, (w, f) in enumerate(zip(words, freqs)):
+        for pair in zip(w, w[1:]):
+            counts[pair] += f
+            where[pair].add(i)
+    heap = [(-c, p) for p, c in counts.items()]
+    heapq.heapify(heap)
+    merges: list[Pair] = []
+    counts_chosen: list[int] = []
+    n_tokens = [sum(len(w) * f for w, f in zip(words, freqs))]
+    while len(merges) < n_merges:
+        while heap and counts.get(heap[0][1], 0) != -heap[0][0]:
+            heapq.heappop(heap)  # stale entry: the pair's count changed since it was pushed
+        if not heap:
+            break
+        neg_count, best = heapq.heappop(heap)
+        new_id = 256 + len(merges)
+        touched: set[Pair] = set()
+        removed = 0
+        for i in where.pop(best):
+            w, f = words[i], freqs[i]
+            new_w = merge_pair(w, best, new_id)
+            if len(new_w) == len(w):
+                continue  # stale index: an earlier merge already consumed this pair here
+            for pair in zip(w, w[1:]):
+                counts[pair] -= f
+                touched.add(pair)
+            for pair in zip(new_w, new_w[1:]):
+                counts[pair] += f
+                where[pair].add(i)
+                touched.add(pair)
+            removed += (len(w) - len(new_w)) * f
+            words[i] = new_w
+        for pair in touched:
+            c = counts[pair]
+            if c > 0:
+                heapq.heappush(heap, (-c, pair))
+            else:
+                del counts[pair]
+                where.pop(pair, None)
+        merges.append(best)
+        counts_chosen.append(-neg_count)
+        n_tokens.append(n_tokens[-1] - removed)
+        if verbose:
+            print(f"merge {len(merges)}/{n_merges}: {best} -> {new_id} (count {-neg_count})")
+    return MergeResult(merges, n_tokens, counts_chosen)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tokenizer
+# --------------------------------------------------------------------------------------------------
+
+class BPETokenizer:
+    """Byte-level BPE: a text is pre-split by ``pattern``, each chunk becomes its UTF-8 bytes (one id
+    per byte, ``byte_ids[b]``), and adjacent ids are merged greedily, lowest merge rank first.
+
+    ``merges`` maps a pair of ids to the id it becomes; that id is also the merge's priority (a
+    smaller id was learned earlier and is applied first). A trained tokenizer uses ``byte_ids =
+    range(256)`` and ids ``256, 257, …`` for its merges; ``from_tiktoken`` uses tiktoken's ranks.
+    """
+
+    def __init__(self, merges: Mapping[Pair, int], pattern: str = GPT4_SPLIT_PATTERN,
+                 byte_ids: Sequence[int] | None = None) -> None:
+        self._regex = _compile_pattern(pattern)
+        self.pattern: str = pattern
+        if byte_ids is None:
+            byte_ids = list(range(256))
+        if not isinstance(byte_ids, (list, tuple, range)) or len(byte_ids) != 256:
+            raise ValueError("byte_ids must be a sequence of 256 distinct non-negative ints (the id of each byte)")
+        byte_ids = list(byte_ids)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in byte_ids) or \
+                len(set(byte_ids)) != 256:
+            raise ValueError("byte_ids must be a sequence of 256 distinct non-negative ints (the id of each byte)")
+        if not isinstance(merges, Mapping):
+            raise TypeError(f"merges must map (id, id) -> new id, got {type(merges).__name__}")
+        self.byte_ids: list[int] = byte_ids
+        vocab: dict[int, bytes] = {i: bytes([b]) for b, i in enumerate(byte_ids)}
+        for pair, new_id in sorted(merges.items(), key=lambda kv: kv[1]):
+            if (not isinstance(pair, tuple) or len(pair) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+                raise ValueError(f"merges keys must be pairs of ints, got {pair!r}")
+            if isinstance(new_id, bool) or not isinstance(new_id, int) or new_id in vocab:
+                raise ValueError(f"merge {pair} -> {new_id!r}: the new id must be an int not used before")
+            if pair[0] not in vocab or pair[1] not in vocab:
+                raise ValueError(f"merge {pair} -> {new_id}: both ids must be bytes or come from earlier merges")
+            vocab[new_id] = vocab[pair[0]] + vocab[pair[1]]
+        self.merges: dict[Pair, int] = dict(sorted(merges.items(), key=lambda kv: kv[1]))
+        self.vocab: dict[int, bytes] = vocab
+        self._vocab_size = max(vocab) + 1
+        self._cache: dict[str, list[int]] = {}
+
+    # ---- training -------------------------------------------------------------------------------
+    @classmethod
+    def train(cls, text: str, vocab_size: int, pattern: str = GPT4_SPLIT_PATTERN,
+              verbose: bool = False) -> "BPETokenizer":
+        """Learn ``vocab_size - 256`` merges from ``text`` (fewer if the text runs out of pairs)."""
+        _check_text(text)
+        _check_vocab_size(vocab_size)
+        counts = Counter(_compile_pattern(pattern).findall(text))
+        result = learn_merges(counts, vocab_size - 256, verbose=verbose)
+        return cls({pair: 256 + k for k, pair in enumerate(result.merges)}, pattern)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the id space (largest id + 1): the rows an embedding table needs."""
+        return self._vocab_size
+
+    # ---- encoding -------------------------------------------------------------------------------
+    def _encode_chunk(self, chunk: bytes) -> list[int]:
+        """BPE on one chunk: repeatedly merge the adjacent pair with the lowest rank."""
+        ids = [self.byte_ids[b] for b in chunk]
+        merges = self.merges
+        while len(ids) >= 2:
+            ranks = [merges.get(pair) for pair in zip(ids, ids[1:])]
+            known = [r for r in ranks if r is not None]
+            if not known:
+                break
+            best = min(known)
+            i = ranks.index(best)
+            ids = merge_pair(ids, (ids[i], ids[i + 1]), best)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` (ordinary text: strings that look like special tokens are encoded as text)."""
+        _check_text(text)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: replace them, as tiktoken does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        cache = self._cache
+        if len(cache) > _CACHE_LIMIT:
+            cache.clear()
+        out: list[int] = []
+        for chunk in self._regex.findall(text):
+            ids = cache.get(chunk)
+            if ids is None:
+                ids = cache[chunk] = self._encode_chunk(chunk.encode("utf-8"))
+            out.extend(ids)
+        return out
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """The raw bytes of a list (or 1-D tensor) of ids."""
+        return b"".join(self.vocab[i] for i in _as_id_list(ids, self.vocab_size, self.vocab))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of a list of ids; bytes that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    # ---- persistence ----------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the tokenizer as JSON (pattern, byte ids, merges); returns the path."""
+        if not isinstance(path, (str, Path)):
+            raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
+        path = Path(path)
+        payload = {
+            "format": _FORMAT, "version": _FORMAT_VERSION, "pattern": self.pattern,
+            "byte_ids": self.byte_ids, "merges": [[a, b, i] for (a, b), i in self.merges.items()],
+        }
+        path.write_text(json.dumps(payload, separators=(",", ":")), encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BPETokenizer":
+        """Read a tokenizer written by :meth:`save`."""
+        if not isinstance(path, (str, Path)):
+            raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
+        try:
+            payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a saved BPETokenizer (invalid JSON: {exc})") from exc
+        if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a saved BPETokenizer (format must be {_FORMAT!r})")
+        if payload.get("version") != _FORMAT_VERSION:
+            raise ValueError(f"{path}: unsupported version {payload.get('version')!r}, expected {_FORMAT_VERSION}")
+        try:
+            merges = {(int(a), int(b)): int(i) for a, b, i in payload["merges"]}
+            return cls(merges, payload["pattern"], payload["byte_ids"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path} is not a valid saved BPETokenizer: {exc}") from exc
+
+    # ---- OpenAI's tokenizers ----------------------------------------------------------------------
+    @classmethod
+    def from_tiktoken(cls, name: str = "cl100k_base") -> "BPETokenizer":
+        """Rebuild a tiktoken encoding (e.g. ``cl100k_base``) as a BPETokenizer with the same ids.
+
+        tiktoken stores ranks (token bytes -> id), not merges. The pair that forms a token is found by
+        running BPE on the token's own bytes with only lower-ranked tokens allowed: exactly two parts
+        remain, and the token is their merge.
+        """
+        enc = tiktoken_encoding(name)
+        ranks: dict[bytes, int] = enc._mergeable_ranks
+        byte_ids = [ranks[bytes([b])] for b in range(256)]
+        merges: dict[Pair, int] = {}
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            if len(token) == 1:
+                continue
+            parts = _rank_bpe(ranks, token, max_rank=rank)
+            if len(parts) != 2:
+                raise ValueError(f"token {token!r} (rank {rank}) of {name} is not the merge of two tokens")
+            merges[(ranks[parts[0]], ranks[parts[1]])] = rank
+        return cls(merges, enc._pat_str, byte_ids)
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)})"
+
+
+def _rank_bpe(ranks: Mapping[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """tiktoken's merge rule on ``token``'s bytes, using only tokens ranked below ``max_rank``."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 1:
+        best_i, best_rank = -1, max_rank
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best_rank:
+                best_i, best_rank = i, r
+        if best_i < 0:
+            break
+        parts[best_i:best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts
+
+
+def tiktoken_encoding(name: str = "cl100k_base") -> Any:
+    """``tiktoken.get_encoding(name)`` with a clear message when it cannot be loaded offline.
+
+    tiktoken reads its files from the folder named by ``TIKTOKEN_CACHE_DIR`` when they are there and
+    downloads them otherwise.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str such as 'cl100k_base', got {type(name).__name__}")
+    try:
+        import tiktoken
+    except ImportError as exc:  # pragma: no cover - tiktoken is a requirement
+        raise ImportError("tiktoken is not installed: pip install tiktoken") from exc
+    if name not in tiktoken.list_encoding_names():
+        raise ValueError(f"name must be one of {tiktoken.list_encoding_names()}, got {name!r}")
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as exc:  # network errors come in several types
+        raise RuntimeError(f"could not load the tiktoken encoding {name!r} ({exc}); offline, point the "
+                           f"environment variable TIKTOKEN_CACHE_DIR at a folder that holds it") from exc
+
