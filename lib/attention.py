@@ -1,0 +1,204 @@
+"""Causal self-attention: masks, scaled dot-product attention, multi-head attention with a KV cache.
+
+- :func:`causal_mask` / :func:`attention_mask`: which keys each query may look at.
+- :func:`scaled_dot_product_attention`: the formula written out (scores, scale, mask, softmax,
+  weighted sum); returns the attention weights too, for plots.
+- :class:`KVCache`: the keys and values of the tokens generated so far, for one layer.
+- :class:`MultiHeadAttention`: projections to heads, optional rotary embedding, grouped-query heads
+  (``n_kv_heads < n_heads``), an optional sliding window, and a fast path through
+  ``torch.nn.functional.scaled_dot_product_attention`` when the weights are not needed.
+
+Shapes: B batch, T queries, T_k keys, C = d_model, H heads, H_kv key/value heads, D = C / H.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def attention_mask(T_q: int, T_k: int, window: int | None = None,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool mask ``(T_q, T_k)``, True where query i may attend to key j.
+
+    The queries are the *last* ``T_q`` of the ``T_k`` positions (query i sits at position
+    ``T_k - T_q + i``), which is the situation of cached decoding; ``T_q == T_k`` is the usual
+    causal case. A query sees the keys at its own position and before; with ``window=w`` only the
+    ``w`` most recent of them (itself included).
+    """
+    if not isinstance(T_q, int) or not isinstance(T_k, int) or not 0 <= T_q <= T_k:
+        raise ValueError(f"need ints 0 <= T_q <= T_k, got T_q={T_q!r}, T_k={T_k!r}")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    q_pos = torch.arange(T_k - T_q, T_k, device=device)[:, None]  # (T_q, 1)
+    k_pos = torch.arange(T_k, device=device)[None, :]  # (1, T_k)
+    allowed = k_pos <= q_pos  # no peeking at the future
+    if window is not None:
+        allowed = allowed & (q_pos - k_pos < window)  # and nothing older than the window
+    return allowed
+
+
+def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool lower-triangular mask ``(T, T)``: True where key j <= query i (attending is allowed)."""
+    if not isinstance(T, int) or isinstance(T, bool) or T < 0:
+        raise ValueError(f"T must be a non-negative int, got {T!r}")
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 mask: torch.Tensor | None = None, causal: bool = False,
+                                 dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T / sqrt(D) + mask) v``, written out. Returns ``(output, weights)``.
+
+    q: ``(..., H, T_q, D)``; k, v: ``(..., H_kv, T_k, D)``. When ``H_kv < H`` (grouped-query
+    attention) each key/value head serves ``H / H_kv`` consecutive query heads.
+    mask: bool, broadcastable to ``(..., H, T_q, T_k)``, True = may attend.
+    causal: also hide future keys, aligning the last query with the last key (query i sees keys
+    ``j <= i + T_k - T_q``), as cached decoding needs.
+    dropout_p: dropout on the weights before they mix the values (training only; the returned
+    weights are the ones before dropout).
+    output: ``(..., H, T_q, D)``; weights: ``(..., H, T_q, T_k)``, each row sums to 1.
+    """
+    if q.size(-1) != k.size(-1) or k.shape[-2:] != v.shape[-2:]:
+        raise ValueError(f"q, k, v must share the last dimension and k, v the key length; got shapes "
+                         f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if mask is not None and mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+    if q.dim() >= 3 and k.size(-3) != q.size(-3):  # grouped-query attention: share k/v heads
+        H, H_kv = q.size(-3), k.size(-3)
+        if H % H_kv:
+            raise ValueError(f"the number of query heads ({H}) must be a multiple of key/value heads ({H_kv})")
+        k = k.repeat_interleave(H // H_kv, dim=-3)  # (..., H_kv, T_k, D) -> (..., H, T_k, D)
+        v = v.repeat_interleave(H // H_kv, dim=-3)
+    T_q, T_k = q.size(-2), k.size(-2)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., T_q, T_k)
+    if causal:
+        scores = scores.masked_fill(~attention_mask(T_q, T_k, device=q.device), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # (..., T_q, T_k)
+    mixing = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    return mixing @ v, weights  # (..., T_q, D), (..., T_q, T_k)
+
+
+class KVCache:
+    """Keys and values of every token processed so far, for one attention layer.
+
+    During generation each new token only needs its own query; its keys and values join the
+    cache, so earlier tokens are never recomputed. Stored after the rotary embedding, with the
+    ``H_kv`` key/value heads (not repeated per query head): ``(B, H_kv, T_cached, D)``.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Number of cached positions."""
+        return 0 if self.k is None else self.k.size(2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``(B, H_kv, T, D)`` keys and values; return all of them, ``(B, H_kv, T_cached, D)``."""
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def reset(self) -> None:
+        """Forget everything (start a new sequence)."""
+        self.k = self.v = None
+
+    def __repr__(self) -> str:
+        return f"KVCache(length={self.length})"
+
+
+class MultiHeadAttention(nn.Module):
+    """Causal multi-head self-attention with grouped-query heads, RoPE, a sliding window, a KV cache.
+
+    ``n_kv_heads`` (default ``n_heads``) sets the number of key/value heads: ``n_heads`` is
+    multi-head attention, 1 is multi-query attention, anything between (dividing ``n_heads``) is
+    grouped-query attention. ``rope`` is a module ``rope(x, offset)`` that rotates ``(B, H, T, D)``
+    queries and keys (e.g. :class:`lib.positional.RotaryEmbedding`). ``window=w`` lets each token see
+    only the ``w`` most recent positions, itself included.
+
+    ``forward`` uses ``F.scaled_dot_product_attention`` (fused kernels) unless the weights are
+    requested or ``self.fast`` is False; then it runs :func:`scaled_dot_product_attention`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
+                 rope: nn.Module | None = None, bias: bool = False, dropout: float = 0.0,
+                 window: int | None = None) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        head_dim = d_model // n_heads
+        if rope is not None and getattr(rope, "head_dim", head_dim) != head_dim:
+            raise ValueError(f"rope.head_dim ({rope.head_dim}) must equal the head dimension "
+                             f"d_model / n_heads = {head_dim}")
+        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
+        self.window, self.dropout = window, float(dropout)
+        self.fast = True  # False forces the explicit path (used to compare the two)
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.rope = rope
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` ``(B, T, C)`` -> ``(out (B, T, C), weights (B, H, T, T_k) or None)``.
+
+        With a ``kv_cache`` holding ``T_cached`` earlier positions, ``x`` holds the next ``T`` tokens
+        and ``T_k = T_cached + T``; the cache is extended in place.
+        """
+        if x.dim() != 3 or x.size(-1) != self.d_model:
+            raise ValueError(f"x must have shape (B, T, d_model={self.d_model}), got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
+        k = self.k_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, T, C) -> (B, H_kv, T, D)
+        v = self.v_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, T, C) -> (B, H_kv, T, D)
+        offset = 0 if kv_cache is None else kv_cache.length  # position of x's first token
+        if self.rope is not None:
+            q, k = self.rope(q, offset), self.rope(k, offset)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, H_kv, T_k, D), T_k = offset + T
+        T_k = k.size(2)
+        if H_kv != H:  # each key/value head serves H / H_kv query heads
+            k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H_kv, T_k, D) -> (B, H, T_k, D)
+            v = v.repeat_interleave(H // H_kv, dim=1)
+        p = self.dropout if self.training else 0.0
+        if need_weights or not self.fast:
+            mask = attention_mask(T, T_k, self.window, device=x.device)  # (T, T_k)
+            y, weights = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=p)
+        else:
+            weights = None
+            if self.window is None and T == T_k:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            elif self.window is None and T == 1:  # one new token: every cached key is in its past
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            else:
+                mask = attention_mask(T, T_k, self.window, device=x.device)  # (T, T_k)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, H, T, D) -> (B, T, C): heads side by side
+        return self.resid_dropout(self.out_proj(y)), (weights if need_weights else None)
+
+    def extra_repr(self) -> str:
+        return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"window={self.window}, fast={self.fast}")

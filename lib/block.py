@@ -1,0 +1,61 @@
+"""The transformer block: pre-norm attention, then a pre-norm feed-forward network, each added to
+the residual stream.
+
+    x = x + attn(norm1(x))    # tokens exchange information
+    x = x + ffn(norm2(x))     # each token is processed on its own
+
+Which norm, which feed-forward network and which positions are chosen by a
+:class:`lib.model.GPTConfig`, so GPT-2-style and Llama-style blocks are the same code.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lib.attention import KVCache, MultiHeadAttention
+from lib.feedforward import FeedForward, SwiGLU
+from lib.norms import LayerNorm, RMSNorm
+from lib.positional import RotaryEmbedding
+
+if TYPE_CHECKING:  # only for type hints: lib.model imports this module
+    from lib.model import GPTConfig
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    """The normalisation layer the config asks for: LayerNorm (bias as ``config.bias``) or RMSNorm."""
+    if config.norm == "layernorm":
+        return LayerNorm(config.d_model, bias=config.bias)
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model)
+    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {config.norm!r}")
+
+
+def make_ffn(config: GPTConfig) -> nn.Module:
+    """The feed-forward network the config asks for: a GELU/ReLU MLP or SwiGLU."""
+    if config.ffn == "swiglu":
+        return SwiGLU(config.d_model, config.d_ff, bias=config.bias, dropout=config.dropout)
+    return FeedForward(config.d_model, config.d_ff, activation=config.ffn, bias=config.bias,
+                       dropout=config.dropout)
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm block: ``norm1``, ``attn``, ``norm2``, ``ffn``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        rope = RotaryEmbedding(config.head_dim, config.rope_base) if config.positions == "rope" else None
+        self.norm1 = make_norm(config)
+        self.attn = MultiHeadAttention(config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
+                                       bias=config.bias, dropout=config.dropout, window=config.window)
+        self.norm2 = make_norm(config)
+        self.ffn = make_ffn(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` ``(B, T, C)`` -> ``(x (B, T, C), attention weights (B, H, T, T_k) or None)``."""
+        a, weights = self.attn(self.norm1(x), kv_cache=kv_cache, need_weights=need_weights)
+        x = x + a  # attention's update joins the residual stream
+        x = x + self.ffn(self.norm2(x))  # then the feed-forward network's
+        return x, weights

@@ -1,0 +1,303 @@
+"""The GPT model: one config dataclass, embeddings, a stack of blocks, a final norm, an output head.
+
+    ids (B, T) -> token embeddings (+ positions) -> n_layers x TransformerBlock -> norm_f
+        -> lm_head -> logits (B, T, V)
+
+:class:`GPTConfig` describes the architecture (GPT-2-style and Llama-style models are the same code
+with different settings) and has presets: :meth:`GPTConfig.tiny`, :meth:`GPTConfig.gpt2_small`,
+:meth:`GPTConfig.llama_style`. :class:`GPT` computes logits and the loss, generates text (with or
+without a KV cache), returns attention maps for plots, and counts its parameters by component.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from lib.attention import KVCache, MultiHeadAttention
+from lib.block import TransformerBlock, make_norm
+from lib.loss import cross_entropy
+from lib.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from lib.sampling import check_sampling_args, sample_next
+
+NORMS = ("layernorm", "rmsnorm")
+FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
+POSITIONS = ("learned", "sinusoidal", "rope", "none")
+
+
+@dataclass
+class GPTConfig:
+    """Every architectural choice of a GPT. The defaults are the tiny character model.
+
+    ``n_kv_heads=None`` means one key/value head per query head (plain multi-head attention).
+    ``ffn``: 'gelu' (exact), 'gelu_tanh' (GPT-2's approximation), 'relu', or 'swiglu'.
+    ``positions``: 'learned' (GPT-2), 'sinusoidal', 'rope' (Llama) or 'none'.
+    ``window``: sliding-window attention span (None = attend to the whole past).
+    """
+
+    vocab_size: int = 65
+    context_length: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int = 512
+    norm: str = "layernorm"
+    ffn: str = "gelu"
+    positions: str = "learned"
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    bias: bool = False
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("n_kv_heads", "window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("positions", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"positions='rope' needs an even head dimension, but d_model / n_heads = "
+                             f"{self.d_model} / {self.n_heads} = {self.head_dim}")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+        if isinstance(self.rope_base, bool) or not isinstance(self.rope_base, (int, float)) or not self.rope_base > 1:
+            raise ValueError(f"rope_base must be a number > 1, got {self.rope_base!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        for name in ("tie_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Dimension of one attention head, ``d_model / n_heads``."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``n_kv_heads``, or ``n_heads`` when that is None)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-friendly), the inverse of :meth:`from_dict`."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """Rebuild a config from :meth:`to_dict`'s output; unknown keys are an error."""
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 65, **overrides: Any) -> GPTConfig:
+        """A small character-level model that trains in minutes on a laptop CPU (about 0.8M parameters)."""
+        config = cls(vocab_size=vocab_size, context_length=128, d_model=128, n_layers=4, n_heads=4,
+                     d_ff=512, norm="layernorm", ffn="gelu", positions="learned", tie_embeddings=True,
+                     dropout=0.0, bias=False)
+        return replace(config, **overrides)
+
+    @classmethod
+    def gpt2_small(cls, **overrides: Any) -> GPTConfig:
+        """GPT-2 small (124M): LayerNorm with biases, tanh-GELU MLP, learned positions, tied head."""
+        config = cls(vocab_size=50257, context_length=1024, d_model=768, n_layers=12, n_heads=12,
+                     d_ff=3072, norm="layernorm", ffn="gelu_tanh", positions="learned",
+                     tie_embeddings=True, dropout=0.0, bias=True)
+        return replace(config, **overrides)
+
+    @classmethod
+    def llama_style(cls, **overrides: Any) -> GPTConfig:
+        """Shaped like Llama 3.2 1B: RMSNorm, SwiGLU, RoPE (base 500,000), 8 key/value heads, no biases."""
+        config = cls(vocab_size=128256, context_length=131072, d_model=2048, n_layers=16, n_heads=32,
+                     n_kv_heads=8, d_ff=8192, norm="rmsnorm", ffn="swiglu", positions="rope",
+                     rope_base=500000.0, tie_embeddings=True, dropout=0.0, bias=False)
+        return replace(config, **overrides)
+
+
+# Projections that write into the residual stream: GPT-2 scales their initial weights by
+# 1/sqrt(2 * n_layers), so the stream's variance does not grow with depth (two writes per block).
+RESIDUAL_PROJECTIONS = ("attn.out_proj.weight", "ffn.fc_out.weight", "ffn.w_down.weight")
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model: ``tok_emb``, ``pos_emb`` (or None), ``blocks``,
+    ``norm_f``, ``lm_head``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        C = config.d_model
+        self.tok_emb = nn.Embedding(config.vocab_size, C)
+        self.pos_emb: nn.Module | None = None
+        if config.positions == "learned":
+            self.pos_emb = LearnedPositionalEmbedding(config.context_length, C)
+        elif config.positions == "sinusoidal":
+            self.pos_emb = SinusoidalPositionalEncoding(config.context_length, C)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm_f = make_norm(config)
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # one matrix reads tokens in and writes them out
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: weights N(0, 0.02), biases 0, norms 1, residual projections scaled."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.blocks.named_parameters():
+            if name.endswith(RESIDUAL_PROJECTIONS):
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def _check_ids(self, ids: torch.Tensor, name: str = "ids") -> None:
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor of token ids, got "
+                            f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
+        if ids.dim() != 2 or ids.size(1) == 0:
+            raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
+        V = self.config.vocab_size
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"{name} holds token id {lo if lo < 0 else hi}, out of range [0, vocab_size={V})")
+
+    def _embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Token embeddings plus (learned or sinusoidal) positions: ``(B, T) -> (B, T, C)``."""
+        self._check_ids(ids)
+        T = ids.size(1)
+        if offset + T > self.config.context_length:
+            raise ValueError(f"sequence of {offset + T} tokens is longer than context_length="
+                             f"{self.config.context_length}; crop ids to the last "
+                             f"{self.config.context_length} tokens")
+        x = self.tok_emb(ids)  # (B, T) -> (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(T, offset).to(x.dtype)  # (T, C) broadcasts over the batch
+        return self.drop(x)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None,
+                kv_caches: list[KVCache] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, T, V)`` for every position, and the cross-entropy loss when ``targets``
+        ``(B, T)`` is given (else None).
+
+        With ``kv_caches`` (one :class:`KVCache` per block), ``ids`` continues the cached sequence:
+        positions start at the cache length and the caches grow by ``T``.
+        """
+        if kv_caches is not None and len(kv_caches) != len(self.blocks):
+            raise ValueError(f"kv_caches must hold one KVCache per block ({len(self.blocks)}), "
+                             f"got {len(kv_caches)}")
+        offset = kv_caches[0].length if kv_caches is not None else 0
+        x = self._embed(ids, offset)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x, kv_cache=None if kv_caches is None else kv_caches[i])
+        logits = self.lm_head(self.norm_f(x))  # (B, T, C) -> (B, T, V)
+        loss = None if targets is None else cross_entropy(logits, targets)
+        return logits, loss
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Switch dropout off for the duration, then restore the previous mode."""
+        was_training = self.training
+        self.eval()
+        try:
+            yield
+        finally:
+            self.train(was_training)
+
+    @torch.no_grad()
+    def attention_maps(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Attention weights of every layer, each ``(B, H, T, T)`` (rows sum to 1), in eval mode."""
+        with self._eval_mode():
+            x = self._embed(ids)
+            maps = []
+            for block in self.blocks:
+                x, weights = block(x, need_weights=True)
+                maps.append(weights)
+        return maps
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Extend ``ids`` ``(B, T)`` by ``max_new_tokens`` tokens: ``(B, T + max_new_tokens)``.
+
+        Each step samples from the last position's logits (see :func:`lib.sampling.sample_next`;
+        ``temperature=0`` is greedy). With ``use_cache`` the first step processes the prompt and
+        later steps only the newest token, reading earlier keys and values from a KV cache. The
+        model sees at most ``context_length`` tokens: once the sequence is longer, every step
+        recomputes on the last ``context_length`` tokens (as without a cache). Runs in eval mode.
+        """
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_sampling_args(temperature, top_k, top_p)
+        self._check_ids(ids)
+        ctx = self.config.context_length
+        caches = [KVCache() for _ in self.blocks] if use_cache else None
+        with self._eval_mode():
+            for _ in range(max_new_tokens):
+                if caches is not None and ids.size(1) > ctx:
+                    caches = None  # the cache is full: from now on recompute on a sliding crop
+                if caches is None:
+                    context = ids[:, -ctx:]  # (B, <= ctx)
+                else:
+                    context = ids[:, caches[0].length:]  # the tokens the cache has not seen yet
+                logits, _ = self(context, kv_caches=caches)  # (B, T', V)
+                next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
+                ids = torch.cat([ids, next_id[:, None].to(ids.dtype)], dim=1)  # (B, T + 1)
+        return ids
+
+    def set_fast_attention(self, enabled: bool) -> None:
+        """Use ``F.scaled_dot_product_attention`` (True) or the explicit formula (False) in every layer."""
+        for module in self.modules():
+            if isinstance(module, MultiHeadAttention):
+                module.fast = bool(enabled)
+
+    def num_parameters(self) -> int:
+        """Number of trainable parameters; a tied embedding/head matrix counts once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters by component: embeddings, positions, attention, ffn, norms, head.
+
+        ``head`` is 0 when the head is tied to the token embeddings (it is the same matrix). The
+        values sum to :meth:`num_parameters`.
+        """
+        counts = dict.fromkeys(("embeddings", "positions", "attention", "ffn", "norms", "head"), 0)
+        for name, p in self.named_parameters():  # a shared (tied) matrix is listed once, as tok_emb
+            if name.startswith("tok_emb."):
+                part = "embeddings"
+            elif name.startswith("pos_emb."):
+                part = "positions"
+            elif ".attn." in name:
+                part = "attention"
+            elif ".ffn." in name:
+                part = "ffn"
+            elif name.startswith("norm_f.") or ".norm1." in name or ".norm2." in name:
+                part = "norms"
+            elif name.startswith("lm_head."):
+                part = "head"
+            else:  # pragma: no cover - a new kind of parameter must be given a component
+                raise RuntimeError(f"parameter {name} belongs to no known component")
+            counts[part] += p.numel()
+        return counts

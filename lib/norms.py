@@ -1,0 +1,77 @@
+"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm (Llama), written out in plain torch.
+
+Both rescale each token's vector (the last dimension) to a standard size and then apply a learned
+per-feature gain. LayerNorm first removes the mean and also learns a shift; RMSNorm only divides by
+the root mean square. The statistics are computed in at least float32, so the layers stay accurate
+when the rest of the model runs in bfloat16 or float16 (mixed precision).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _check(d: int, eps: float) -> None:
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise ValueError(f"d must be a positive int, got {d!r}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision inputs, the input's own dtype otherwise (float32, float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation: ``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension.
+
+    The variance is the biased one (divide by ``d``), as in ``nn.LayerNorm``. ``bias=False`` drops
+    the learned shift (some GPT variants do).
+    """
+
+    def __init__(self, d: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        _check(d, eps)
+        self.d, self.eps = d, float(eps)
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(-1) != self.d:
+            raise ValueError(f"x must have last dimension {self.d}, got shape {tuple(x.shape)}")
+        h = x.to(_compute_dtype(x))
+        mean = h.mean(dim=-1, keepdim=True)  # (..., 1)
+        var = (h - mean).pow(2).mean(dim=-1, keepdim=True)  # (..., 1), biased variance
+        h = (h - mean) * torch.rsqrt(var + self.eps)  # (..., d): mean 0, variance 1
+        h = h * self.weight
+        if self.bias is not None:
+            h = h + self.bias
+        return h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation: ``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension.
+
+    No mean subtraction and no bias: cheaper than LayerNorm and, in practice, just as good.
+    """
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        _check(d, eps)
+        self.d, self.eps = d, float(eps)
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(-1) != self.d:
+            raise ValueError(f"x must have last dimension {self.d}, got shape {tuple(x.shape)}")
+        h = x.to(_compute_dtype(x))
+        ms = h.pow(2).mean(dim=-1, keepdim=True)  # (..., 1), mean square
+        h = h * torch.rsqrt(ms + self.eps) * self.weight  # (..., d)
+        return h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}"
