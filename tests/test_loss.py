@@ -1,0 +1,76 @@
+"""lib.loss against torch's log_softmax and F.cross_entropy."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lib.loss import cross_entropy, log_softmax, perplexity
+
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 100.0, 1e4])
+def test_log_softmax_matches_torch_even_for_huge_logits(dtype, scale):
+    x = scale * torch.randn(4, 7, 33, dtype=dtype)
+    ours = log_softmax(x)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, torch.log_softmax(x, dim=-1))
+    torch.testing.assert_close(log_softmax(x, dim=1), torch.log_softmax(x, dim=1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3), (2, 7, 11), (3, 4, 65), (1, 1, 2)])
+def test_cross_entropy_matches_torch_value_and_gradient(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    logits = (5 * torch.randn(shape, generator=g, dtype=dtype)).requires_grad_()
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    logits_ref = logits.detach().clone().requires_grad_()
+    loss = cross_entropy(logits, targets)
+    ref = F.cross_entropy(logits_ref.reshape(-1, shape[-1]), targets.reshape(-1))
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(logits.grad, logits_ref.grad)
+
+
+def test_uniform_prediction_costs_log_v_and_has_perplexity_v():
+    V = 65
+    loss = cross_entropy(torch.zeros(4, 10, V), torch.randint(0, V, (4, 10)))
+    torch.testing.assert_close(loss, torch.tensor(math.log(V)))
+    torch.testing.assert_close(perplexity(loss), torch.tensor(float(V)))
+    assert perplexity(math.log(V)) == pytest.approx(V)
+    assert isinstance(perplexity(1.0), float)
+
+
+def test_confident_correct_prediction_costs_almost_nothing():
+    logits = torch.full((3, 5), -20.0)
+    targets = torch.tensor([0, 3, 4])
+    logits[torch.arange(3), targets] = 20.0
+    assert cross_entropy(logits, targets) < 1e-15
+    assert cross_entropy(logits, (targets + 1) % 5) > 39
+
+
+def test_bfloat16_logits_are_scored_in_float32():
+    logits = 4 * torch.randn(8, 100)
+    targets = torch.randint(0, 100, (8,))
+    loss = cross_entropy(logits.bfloat16(), targets)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, F.cross_entropy(logits.bfloat16().float(), targets))
+
+
+def test_bad_inputs_are_clear_errors():
+    logits = torch.randn(2, 3, 5)
+    with pytest.raises(TypeError, match="targets must be an integer"):
+        cross_entropy(logits, torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="logits must be"):
+        cross_entropy(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets must have shape \(2, 3\)"):
+        cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets must hold token ids in \[0, 5\)"):
+        cross_entropy(logits, torch.full((2, 3), 5))
+    with pytest.raises(ValueError, match="targets must hold"):
+        cross_entropy(logits, torch.full((2, 3), -1))
+    with pytest.raises(TypeError, match="loss must be"):
+        perplexity("1.0")

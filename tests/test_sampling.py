@@ -1,0 +1,115 @@
+"""lib.sampling: greedy, temperature, top-k and top-p filters, reproducible draws."""
+import pytest
+import torch
+
+from lib.sampling import apply_temperature, greedy, sample_next, top_k_filter, top_p_filter
+
+
+def random_logits(*shape, seed=0, dtype=torch.float64):
+    return 3 * torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(4, 10)
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert greedy(logits[0]).shape == ()
+
+
+def test_temperature_scales_logits_and_sharpens_or_flattens():
+    logits = random_logits(3, 10)
+    torch.testing.assert_close(apply_temperature(logits, 1.0), logits)
+    torch.testing.assert_close(apply_temperature(logits, 0.5), 2 * logits)
+    p = torch.softmax(logits, -1).amax(-1)
+    assert (torch.softmax(apply_temperature(logits, 0.5), -1).amax(-1) > p).all()
+    assert (torch.softmax(apply_temperature(logits, 2.0), -1).amax(-1) < p).all()
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = random_logits(5, 20)
+    for k in (1, 3, 20, 50):
+        kept = torch.isfinite(top_k_filter(logits, k))
+        assert (kept.sum(-1) == min(k, 20)).all()
+        top = logits.topk(min(k, 20), dim=-1).indices
+        assert kept.gather(-1, top).all()
+    filtered = top_k_filter(logits, 3)
+    kept = torch.isfinite(filtered)
+    assert torch.equal(filtered[kept], logits[kept])  # the survivors are untouched
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
+    for seed in range(20):
+        logits = random_logits(3, 12, seed=seed)
+        for p in (0.05, 0.3, 0.5, 0.8, 0.9, 0.99):
+            kept = torch.isfinite(top_p_filter(logits, p))
+            probs = torch.softmax(logits, -1)
+            for row in range(3):
+                n = int(kept[row].sum())
+                order = probs[row].argsort(descending=True)
+                # the kept tokens are the n most likely ones ...
+                assert set(order[:n].tolist()) == set(kept[row].nonzero().flatten().tolist())
+                mass = probs[row, order].cumsum(0)
+                assert mass[n - 1] >= p  # ... their mass reaches p ...
+                assert n == 1 or mass[n - 2] < p  # ... and one token fewer would not
+
+
+def test_top_p_extremes():
+    logits = random_logits(4, 9)
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+    only_best = torch.isfinite(top_p_filter(logits, 1e-9))
+    assert torch.equal(only_best.nonzero()[:, 1], logits.argmax(-1))
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    logits = random_logits(8, 50)
+    a = sample_next(logits, generator=torch.Generator().manual_seed(7))
+    b = sample_next(logits, generator=torch.Generator().manual_seed(7))
+    assert a.shape == (8,) and a.dtype == torch.long
+    assert torch.equal(a, b)
+
+
+def test_sampling_follows_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    draws = sample_next(logits.expand(20000, 4), generator=g)
+    freq = torch.bincount(draws, minlength=4).double() / 20000
+    torch.testing.assert_close(freq, torch.softmax(logits.double(), -1), rtol=0, atol=0.015)
+
+
+def test_filters_restrict_what_can_be_drawn():
+    logits = random_logits(1, 30).expand(3000, 30)
+    g = torch.Generator().manual_seed(1)
+    draws = sample_next(logits, temperature=1.5, top_k=4, generator=g)
+    assert set(draws.tolist()) == set(logits[0].topk(4).indices.tolist())
+    draws = sample_next(logits, top_p=0.5, generator=g)
+    assert set(draws.tolist()) <= set(torch.isfinite(top_p_filter(logits[0], 0.5)).nonzero().flatten().tolist())
+
+
+def test_temperature_zero_and_top_k_one_are_greedy():
+    logits = random_logits(6, 40)
+    assert torch.equal(sample_next(logits, temperature=0), greedy(logits))
+    assert torch.equal(sample_next(logits, top_k=1, generator=torch.Generator().manual_seed(0)), greedy(logits))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=-0.2), "top_p"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sample_next(random_logits(2, 5), **kwargs)
+
+
+def test_filter_functions_validate_too():
+    logits = random_logits(2, 5)
+    with pytest.raises(ValueError, match="top_k"):
+        top_k_filter(logits, 0)
+    with pytest.raises(ValueError, match="top_p"):
+        top_p_filter(logits, 2.0)
+    with pytest.raises(ValueError, match="temperature"):
+        apply_temperature(logits, -1.0)
+    with pytest.raises(ValueError, match="greedy"):
+        apply_temperature(logits, 0)
