@@ -54,6 +54,14 @@ _FORMAT = "gptbook-checkpoint-1"
 _RESUMABLE_FIELDS = ("device", "compile")
 
 
+def _device_type(device: Any) -> str | None:
+    """'cpu', 'cuda', 'mps', … for a device string such as 'cuda:0'; None when it is not one."""
+    try:
+        return torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        return None
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that decides a training run (together with the model and the data).
@@ -111,8 +119,7 @@ class TrainConfig:
                 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        if self.device is not None and (not isinstance(self.device, str)
-                                        or torch.device(self.device).type not in _DEVICES):
+        if self.device is not None and _device_type(self.device) not in _DEVICES:
             raise ValueError(f"device must be None or one of {_DEVICES} (optionally with an index, "
                              f"e.g. 'cuda:0'), got {self.device!r}")
         for name in ("amp", "compile"):
@@ -240,6 +247,15 @@ def _model_config_dict(model: nn.Module) -> dict[str, Any] | None:
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss from a model's ``(logits, loss)`` output, or a TypeError saying what was expected."""
+    if not (isinstance(output, (tuple, list)) and len(output) == 2 and isinstance(output[1], torch.Tensor)
+            and output[1].dim() == 0):
+        raise TypeError("model(x, y) must return (logits, loss) with a scalar loss tensor, got "
+                        f"{type(output).__name__}")
+    return output[1]
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_length: int,
              n_batches: int = 10, seed: int = 0, amp: bool = True) -> float:
@@ -264,7 +280,7 @@ def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_leng
         for _ in range(n_batches):
             x, y = get_batch(data, batch_size, context_length, generator=generator, device=device)
             with _autocast(device, amp):
-                _, loss = model(x, y)
+                loss = _loss_of(model(x, y))
             total += loss.float()
         return float(total) / n_batches
     finally:
@@ -600,11 +616,7 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
             x, y = get_batch(train_data, config.batch_size, config.context_length, generator=generator,
                              device=device)  # (B, T) each
             with _autocast(device, config.amp):
-                output = forward(x, y)
-            if not (isinstance(output, (tuple, list)) and len(output) == 2 and isinstance(output[1], torch.Tensor)
-                    and output[1].dim() == 0):
-                raise TypeError("model(x, y) must return (logits, loss) with a scalar loss tensor")
-            loss = output[1]
+                loss = _loss_of(forward(x, y))
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
