@@ -8,6 +8,16 @@ from lib.attention import (KVCache, MultiHeadAttention, attention_mask, causal_m
                            scaled_dot_product_attention)
 from lib.positional import RotaryEmbedding
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: one thread avoids thread start-up and spinning, which dominate on a
+    busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 DTYPES = [torch.float32, torch.float64]
 
 
