@@ -235,17 +235,18 @@ def learn_merges_naive(chunks: Mapping[str, int], n_merges: int) -> MergeResult:
     return MergeResult(merges, n_tokens, counts_chosen)
 
 
-def learn_merges(chunks: Mapping[str, int], n_merges: int, verbose: bool = False) -> MergeResult:
-    """Fast BPE trainer: keep pair counts and, per pair, the chunks that contain it; after a merge,
-    update only the chunks where the merged pair occurred.
+def learn_merges(chunks: Mapping[str, int], n_merges: int,
+                 verbose: bool = False) -> MergeResult:
+    """Fast BPE trainer: keep pair counts and, per pair, the chunks that contain it;
+    after a merge, update only the chunks where the merged pair occurred.
 
-    A heap with lazy deletion finds the most frequent pair (ties: the smaller pair) in O(log P).
+    A heap with lazy deletion finds the most frequent pair (ties: the smaller pair).
     Returns exactly what :func:`learn_merges_naive` returns.
     """
     words, freqs = _chunk_words(chunks)
     _check_n_merges(n_merges)
     counts: dict[Pair, int] = defaultdict(int)
-    where: dict[Pair, set[int]] = defaultdict(set)  # pair -> indices of chunks that (may) contain it
+    where: dict[Pair, set[int]] = defaultdict(set)  # pair -> chunks that may contain it
     for i, (w, f) in enumerate(zip(words, freqs)):
         for pair in zip(w, w[1:]):
             counts[pair] += f
@@ -257,7 +258,7 @@ def learn_merges(chunks: Mapping[str, int], n_merges: int, verbose: bool = False
     n_tokens = [sum(len(w) * f for w, f in zip(words, freqs))]
     while len(merges) < n_merges:
         while heap and counts.get(heap[0][1], 0) != -heap[0][0]:
-            heapq.heappop(heap)  # stale entry: the pair's count changed since it was pushed
+            heapq.heappop(heap)  # stale: the pair's count changed since it was pushed
         if not heap:
             break
         neg_count, best = heapq.heappop(heap)
@@ -268,7 +269,7 @@ def learn_merges(chunks: Mapping[str, int], n_merges: int, verbose: bool = False
             w, f = words[i], freqs[i]
             new_w = merge_pair(w, best, new_id)
             if len(new_w) == len(w):
-                continue  # stale index: an earlier merge already consumed this pair here
+                continue  # stale index: an earlier merge consumed this pair here
             for pair in zip(w, w[1:]):
                 counts[pair] -= f
                 touched.add(pair)
@@ -289,7 +290,7 @@ def learn_merges(chunks: Mapping[str, int], n_merges: int, verbose: bool = False
         counts_chosen.append(-neg_count)
         n_tokens.append(n_tokens[-1] - removed)
         if verbose:
-            print(f"merge {len(merges)}/{n_merges}: {best} -> {new_id} (count {-neg_count})")
+            print(f"merge {len(merges)}/{n_merges}: {best} -> {new_id} ({-neg_count})")
     return MergeResult(merges, n_tokens, counts_chosen)
 
 
@@ -368,11 +369,11 @@ class BPETokenizer:
         return ids
 
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` (ordinary text: strings that look like special tokens are encoded as text)."""
+        """Ids of ``text``; special-looking strings such as <|endoftext|> are plain text."""
         _check_text(text)
         try:
             text.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates: replace them, as tiktoken does
+        except UnicodeEncodeError:  # lone surrogates: replaced, as tiktoken does
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         cache = self._cache
         if len(cache) > _CACHE_LIMIT:
@@ -428,11 +429,11 @@ class BPETokenizer:
     # ---- OpenAI's tokenizers ----------------------------------------------------------------------
     @classmethod
     def from_tiktoken(cls, name: str = "cl100k_base") -> "BPETokenizer":
-        """Rebuild a tiktoken encoding (e.g. ``cl100k_base``) as a BPETokenizer with the same ids.
+        """A tiktoken encoding (e.g. ``cl100k_base``) as a BPETokenizer with the same ids.
 
-        tiktoken stores ranks (token bytes -> id), not merges. The pair that forms a token is found by
-        running BPE on the token's own bytes with only lower-ranked tokens allowed: exactly two parts
-        remain, and the token is their merge.
+        tiktoken stores ranks (token bytes -> id), not merges. The pair that forms a token
+        is found by running BPE on the token's own bytes with only lower-ranked tokens
+        allowed: exactly two parts remain, and the token is their merge.
         """
         enc = tiktoken_encoding(name)
         ranks: dict[bytes, int] = enc._mergeable_ranks
@@ -443,7 +444,8 @@ class BPETokenizer:
                 continue
             parts = _rank_bpe(ranks, token, max_rank=rank)
             if len(parts) != 2:
-                raise ValueError(f"token {token!r} (rank {rank}) of {name} is not the merge of two tokens")
+                raise ValueError(f"token {token!r} (rank {rank}) of {name} is not "
+                                 f"the merge of two tokens")
             merges[(ranks[parts[0]], ranks[parts[1]])] = rank
         return cls(merges, enc._pat_str, byte_ids)
 
