@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -29,19 +30,26 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 class GELU(nn.Module):
-    """:func:`gelu` as a module (so that hooks can be attached to it)."""
+    """:func:`gelu` as a module (so that hooks can be attached to it).
+
+    With ``fast=True`` (the default) it calls torch's fused ``F.gelu``, which computes the same
+    function several times faster on a CPU; ``fast=False`` runs the written-out :func:`gelu`.
+    """
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         if approximate not in GELU_APPROXIMATIONS:
             raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
         self.approximate = approximate
+        self.fast = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return F.gelu(x, approximate=self.approximate)
         return gelu(x, self.approximate)
 
     def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}"
+        return f"approximate={self.approximate!r}, fast={self.fast}"
 
 
 def _check_sizes(d_model: int, d_ff: int, dropout: float) -> None:

@@ -273,6 +273,12 @@ class GPT(nn.Module):
             if isinstance(module, MultiHeadAttention):
                 module.fast = bool(enabled)
 
+    def set_fast(self, enabled: bool) -> None:
+        """Switch every fused-kernel path (attention, norms, GELU) on or off; off runs the written-out math."""
+        for module in self.modules():
+            if hasattr(module, "fast"):
+                module.fast = bool(enabled)
+
     def num_parameters(self) -> int:
         """Number of trainable parameters; a tied embedding/head matrix counts once."""
         return sum(p.numel() for p in self.parameters())

@@ -4,10 +4,15 @@ Both rescale each token's vector (the last dimension) to a standard size and the
 per-feature gain. LayerNorm first removes the mean and also learns a shift; RMSNorm only divides by
 the root mean square. The statistics are computed in at least float32, so the layers stay accurate
 when the rest of the model runs in bfloat16 or float16 (mixed precision).
+
+``forward`` is written out in plain torch. By default (``fast=True``) it hands the same computation
+to torch's fused kernel when input and weight share a dtype, which is several times faster on a
+CPU; the tests check both paths against ``nn.LayerNorm`` / ``nn.RMSNorm``.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -36,10 +41,13 @@ class LayerNorm(nn.Module):
         self.d, self.eps = d, float(eps)
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+        self.fast = True  # False forces the written-out path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.size(-1) != self.d:
             raise ValueError(f"x must have last dimension {self.d}, got shape {tuple(x.shape)}")
+        if self.fast and x.dtype == self.weight.dtype:  # the same formula, one fused kernel
+            return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
         h = x.to(_compute_dtype(x))
         mean = h.mean(dim=-1, keepdim=True)  # (..., 1)
         var = (h - mean).pow(2).mean(dim=-1, keepdim=True)  # (..., 1), biased variance
@@ -50,7 +58,7 @@ class LayerNorm(nn.Module):
         return h.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.d}, eps={self.eps}, bias={self.bias is not None}"
+        return f"{self.d}, eps={self.eps}, bias={self.bias is not None}, fast={self.fast}"
 
 
 class RMSNorm(nn.Module):
@@ -64,14 +72,17 @@ class RMSNorm(nn.Module):
         _check(d, eps)
         self.d, self.eps = d, float(eps)
         self.weight = nn.Parameter(torch.ones(d))
+        self.fast = True  # False forces the written-out path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.size(-1) != self.d:
             raise ValueError(f"x must have last dimension {self.d}, got shape {tuple(x.shape)}")
+        if self.fast and x.dtype == self.weight.dtype and hasattr(F, "rms_norm"):  # torch >= 2.4
+            return F.rms_norm(x, (self.d,), self.weight, self.eps)  # the same formula, fused
         h = x.to(_compute_dtype(x))
         ms = h.pow(2).mean(dim=-1, keepdim=True)  # (..., 1), mean square
         h = h * torch.rsqrt(ms + self.eps) * self.weight  # (..., d)
         return h.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.d}, eps={self.eps}"
+        return f"{self.d}, eps={self.eps}, fast={self.fast}"

@@ -150,13 +150,16 @@ def test_logits_at_t_do_not_depend_on_later_tokens(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", VARIANTS)
-def test_explicit_and_fast_attention_give_the_same_logits(kwargs):
+def test_explicit_and_fast_paths_give_the_same_logits(kwargs):
     m = model(small(**kwargs))
     x = ids(2, 16)
     fast = m(x)[0]
     m.set_fast_attention(False)
     torch.testing.assert_close(m(x)[0], fast)
-    assert all(not b.attn.fast for b in m.blocks)
+    assert all(not b.attn.fast for b in m.blocks) and m.norm_f.fast
+    m.set_fast(False)  # norms and GELU written out too
+    assert not m.norm_f.fast and not any(getattr(mod, "fast", False) for mod in m.modules())
+    torch.testing.assert_close(m(x)[0], fast)
 
 
 def test_attention_maps_are_causal_distributions():

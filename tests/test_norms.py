@@ -20,13 +20,15 @@ def randomise(*modules: nn.Module, seed: int = 0) -> None:
                 ps[name].copy_(value)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["written-out", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("eps", [1e-5, 1e-2])
-def test_layernorm_matches_torch(dtype, shape, bias, eps):
+def test_layernorm_matches_torch(fast, dtype, shape, bias, eps):
     d = shape[-1]
     ours = LayerNorm(d, eps=eps, bias=bias).to(dtype)
+    ours.fast = fast
     ref = nn.LayerNorm(d, eps=eps, bias=bias, dtype=dtype)
     randomise(ours, ref)
     x = (3 * torch.randn(shape, dtype=dtype) + 2).requires_grad_()
@@ -40,34 +42,50 @@ def test_layernorm_matches_torch(dtype, shape, bias, eps):
     torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["written-out", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("eps", [1e-6, 1e-2])
-def test_rmsnorm_matches_torch(dtype, shape, eps):
+def test_rmsnorm_matches_torch(fast, dtype, shape, eps):
     d = shape[-1]
     ours = RMSNorm(d, eps=eps).to(dtype)
+    ours.fast = fast
     ref = nn.RMSNorm(d, eps=eps, dtype=dtype)
     randomise(ours, ref, seed=1)
     x = 5 * torch.randn(shape, dtype=dtype)
     torch.testing.assert_close(ours(x), ref(x))
 
 
+def explicit(norm):
+    norm.fast = False
+    return norm
+
+
+def test_fused_and_written_out_paths_agree():
+    x = 3 * torch.randn(4, 5, 24) + 1
+    for norm in (LayerNorm(24), RMSNorm(24)):
+        randomise(norm, seed=2)
+        fused = norm(x)
+        torch.testing.assert_close(explicit(norm)(x), fused)
+
+
 def test_layernorm_output_has_zero_mean_and_unit_variance():
     x = 10 * torch.randn(6, 32, dtype=torch.float64) - 4
-    y = LayerNorm(32).double()(x)
+    y = explicit(LayerNorm(32).double())(x)
     torch.testing.assert_close(y.mean(-1), torch.zeros(6, dtype=torch.float64))
     torch.testing.assert_close(y.var(-1, unbiased=False), torch.ones(6, dtype=torch.float64), rtol=1e-4, atol=1e-4)
 
 
 def test_rmsnorm_output_has_unit_root_mean_square_and_keeps_the_mean_direction():
     x = 10 * torch.randn(6, 32, dtype=torch.float64) + 3
-    y = RMSNorm(32).double()(x)
+    y = explicit(RMSNorm(32).double())(x)
     torch.testing.assert_close(y.pow(2).mean(-1), torch.ones(6, dtype=torch.float64), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y * x.pow(2).mean(-1, keepdim=True).sqrt(), x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm", [LayerNorm(16), RMSNorm(16)])
 def test_half_precision_input_keeps_its_dtype_and_accuracy(norm):
+    """float32 weights, bfloat16 input: the written-out path computes the statistics in float32."""
     x = 100 + torch.randn(4, 16)  # a large mean is where low-precision statistics go wrong
     y = norm(x.bfloat16())
     assert y.dtype == torch.bfloat16
