@@ -73,6 +73,8 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         k = k.repeat_interleave(H // H_kv, dim=-3)  # (..., H_kv, T_k, D) -> (..., H, T_k, D)
         v = v.repeat_interleave(H // H_kv, dim=-3)
     T_q, T_k = q.size(-2), k.size(-2)
+    if causal and T_q > T_k:
+        raise ValueError(f"causal=True needs at most as many queries as keys, got T_q={T_q}, T_k={T_k}")
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., T_q, T_k)
     if causal:
         scores = scores.masked_fill(~attention_mask(T_q, T_k, device=q.device), float("-inf"))

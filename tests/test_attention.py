@@ -117,6 +117,8 @@ def test_sdpa_rejects_bad_inputs():
         scaled_dot_product_attention(q, k, v, mask=torch.zeros(2, 2))
     with pytest.raises(ValueError, match="last dimension"):
         scaled_dot_product_attention(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="causal=True needs"):
+        scaled_dot_product_attention(q, k[..., :1, :], v[..., :1, :], causal=True)
 
 
 # ---------------------------------------------------------------- multi-head attention
