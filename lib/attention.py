@@ -69,7 +69,8 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if q.dim() >= 3 and k.size(-3) != q.size(-3):  # grouped-query attention: share k/v heads
         H, H_kv = q.size(-3), k.size(-3)
         if H % H_kv:
-            raise ValueError(f"the number of query heads ({H}) must be a multiple of key/value heads ({H_kv})")
+            raise ValueError(f"the number of query heads ({H}) must be a multiple of "
+                             f"key/value heads ({H_kv})")
         k = k.repeat_interleave(H // H_kv, dim=-3)  # (..., H_kv, T_k, D) -> (..., H, T_k, D)
         v = v.repeat_interleave(H // H_kv, dim=-3)
     T_q, T_k = q.size(-2), k.size(-2)

@@ -12,7 +12,7 @@ import torch
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``log(softmax(x))`` along ``dim``, stable for any logit size: ``z - log(sum(exp(z)))``, ``z = x - max``."""
+    """``log(softmax(x))`` along ``dim``, stable for any logits: ``z - log(sum(exp(z)))``, z = x - max."""
     z = x - x.amax(dim=dim, keepdim=True)  # the largest entry becomes 0, so exp(z) <= 1
     return z - torch.log(torch.exp(z).sum(dim=dim, keepdim=True))
 

@@ -21,12 +21,17 @@ from torch import nn
 from lib.attention import KVCache, MultiHeadAttention
 from lib.block import TransformerBlock, make_norm
 from lib.loss import cross_entropy
+from lib.norms import LayerNorm, RMSNorm
 from lib.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from lib.sampling import check_sampling_args, sample_next
 
 NORMS = ("layernorm", "rmsnorm")
 FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -76,9 +81,9 @@ class GPTConfig:
                              f"{self.d_model} / {self.n_heads} = {self.head_dim}")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
-        if isinstance(self.rope_base, bool) or not isinstance(self.rope_base, (int, float)) or not self.rope_base > 1:
+        if not _is_number(self.rope_base) or not self.rope_base > 1:
             raise ValueError(f"rope_base must be a number > 1, got {self.rope_base!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+        if not _is_number(self.dropout) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         for name in ("tie_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
@@ -165,7 +170,9 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
+            if isinstance(module, (LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+            if isinstance(module, (nn.Linear, LayerNorm)) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.blocks.named_parameters():
@@ -173,15 +180,17 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def _check_ids(self, ids: torch.Tensor, name: str = "ids") -> None:
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor of token ids, got "
-                            f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{name} must be an integer tensor of token ids, got {type(ids).__name__}")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
         if ids.dim() != 2 or ids.size(1) == 0:
             raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
         V = self.config.vocab_size
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= V:
-            raise ValueError(f"{name} holds token id {lo if lo < 0 else hi}, out of range [0, vocab_size={V})")
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}, out of range [0, vocab_size={V})")
 
     def _embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Token embeddings plus (learned or sinusoidal) positions: ``(B, T) -> (B, T, C)``."""
@@ -274,7 +283,7 @@ class GPT(nn.Module):
                 module.fast = bool(enabled)
 
     def set_fast(self, enabled: bool) -> None:
-        """Switch every fused-kernel path (attention, norms, GELU) on or off; off runs the written-out math."""
+        """Turn every fused-kernel path (attention, norms, GELU) on or off; off runs the written-out math."""
         for module in self.modules():
             if hasattr(module, "fast"):
                 module.fast = bool(enabled)

@@ -117,6 +117,12 @@ def test_gpt2_initialisation_scales_residual_projections():
         assert block.attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
         assert torch.equal(block.norm1.weight, torch.ones(256))
     assert m.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    with torch.no_grad():
+        m.norm_f.weight.fill_(3.0)
+        m.blocks[0].ffn.fc_out.weight.fill_(1.0)
+    m.reset_parameters()  # starts over: norms back to 1, projections re-drawn
+    assert torch.equal(m.norm_f.weight, torch.ones(256))
+    assert m.blocks[0].ffn.fc_out.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.05)
 
 
 def test_initial_loss_is_close_to_uniform_guessing():
