@@ -100,3 +100,15 @@ def test_every_figure_file_is_written_by_a_notebook():
             continue
         assert f'"{fig.stem}"' in code or f"'{fig.stem}'" in code, (
             f"figures/{fig.name} is not written by any chapter (save_figure(..., '{fig.stem}'))")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_citations_use_the_chapter_key_prefix(path: Path):
+    """Per-chapter bibliographies need per-chapter key prefixes (tools/prefix_citations.py)."""
+    prefix = f"ch{path.name[:2]}-"
+    text = "\n".join(_source(c) for c in _cells(path) if c["cell_type"] == "markdown")
+    for keys in re.findall(r"\{cite(?::[a-z]+)?\}`([^`]+)`", text):
+        for key in keys.split(","):
+            assert key.strip().startswith(prefix), f"{path.name}: citation {key!r} lacks prefix {prefix}"
+    if "{bibliography}" in text:
+        assert f":keyprefix: {prefix}" in text, f"{path.name}: bibliography lacks ':keyprefix: {prefix}'"

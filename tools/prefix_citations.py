@@ -1,0 +1,30 @@
+"""Prefix each chapter's citations and bibliography with its chapter (ch04-...).
+
+sphinxcontrib-bibtex warns "duplicate citation" when two chapters each have a local bibliography
+that lists the same paper. Giving every chapter its own key prefix (`:keyprefix: ch04-` on the
+bibliography, `{cite}`ch04-vaswani2017attention`` in the text) keeps per-chapter reference lists
+without that clash. Usage: python tools/prefix_citations.py chapters/*.ipynb (idempotent).
+"""
+import json, re, sys
+from pathlib import Path
+for path in map(Path, sys.argv[1:]):
+    prefix = f"ch{path.name[:2]}-"
+    nb = json.loads(path.read_text())
+    changed = False
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        def repl(m):
+            keys = [k.strip() for k in m.group(2).split(",")]
+            keys = [k if k.startswith(prefix) else prefix + k for k in keys]
+            return f"{{{m.group(1)}}}`{','.join(keys)}`"
+        new = re.sub(r"\{(cite(?::[a-z]+)?)\}`([^`]+)`", repl, src)
+        if "```{bibliography}" in new and ":keyprefix:" not in new:
+            new = new.replace("```{bibliography}\n", f"```{{bibliography}}\n:keyprefix: {prefix}\n", 1)
+        if new != src:
+            cell["source"] = new
+            changed = True
+    if changed:
+        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+        print("fixed", path)
