@@ -5,16 +5,20 @@ that lists the same paper. Giving every chapter its own key prefix (`:keyprefix:
 bibliography, `{cite}`ch04-vaswani2017attention`` in the text) keeps per-chapter reference lists
 without that clash. Usage: python tools/prefix_citations.py chapters/*.ipynb (idempotent).
 """
-import json, re, sys
+import re
+import sys
 from pathlib import Path
+
+import nbformat
+
 for path in map(Path, sys.argv[1:]):
     prefix = f"ch{path.name[:2]}-"
-    nb = json.loads(path.read_text())
+    nb = nbformat.read(path, as_version=4)
     changed = False
     for cell in nb["cells"]:
         if cell["cell_type"] != "markdown":
             continue
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        src = cell["source"]
         def repl(m):
             keys = [k.strip() for k in m.group(2).split(",")]
             keys = [k if k.startswith(prefix) else prefix + k for k in keys]
@@ -26,5 +30,5 @@ for path in map(Path, sys.argv[1:]):
             cell["source"] = new
             changed = True
     if changed:
-        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+        nbformat.write(nb, path)
         print("fixed", path)
