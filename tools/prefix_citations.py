@@ -11,24 +11,38 @@ from pathlib import Path
 
 import nbformat
 
-for path in map(Path, sys.argv[1:]):
-    prefix = f"ch{path.name[:2]}-"
-    nb = nbformat.read(path, as_version=4)
-    changed = False
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "markdown":
-            continue
-        src = cell["source"]
-        def repl(m):
-            keys = [k.strip() for k in m.group(2).split(",")]
-            keys = [k if k.startswith(prefix) else prefix + k for k in keys]
-            return f"{{{m.group(1)}}}`{','.join(keys)}`"
-        new = re.sub(r"\{(cite(?::[a-z]+)?)\}`([^`]+)`", repl, src)
-        if "```{bibliography}" in new and ":keyprefix:" not in new:
-            new = new.replace("```{bibliography}\n", f"```{{bibliography}}\n:keyprefix: {prefix}\n", 1)
-        if new != src:
-            cell["source"] = new
-            changed = True
-    if changed:
-        nbformat.write(nb, path)
-        print("fixed", path)
+
+CITE = re.compile(r"\{(cite(?::[a-z]+)?)\}`([^`]+)`")
+
+
+def prefix_markdown(src: str, prefix: str) -> str:
+    """Prefix every citation key in ``src`` and the bibliography directive with ``prefix``."""
+
+    def repl(m: re.Match) -> str:
+        keys = [k.strip() for k in m.group(2).split(",")]
+        keys = [k if k.startswith(prefix) else prefix + k for k in keys]
+        return f"{{{m.group(1)}}}`{','.join(keys)}`"
+
+    new = CITE.sub(repl, src)
+    if "```{bibliography}" in new and ":keyprefix:" not in new:
+        new = new.replace("```{bibliography}\n", f"```{{bibliography}}\n:keyprefix: {prefix}\n", 1)
+    return new
+
+
+def main(paths: list[str]) -> None:
+    for path in map(Path, paths):
+        prefix = f"ch{path.name[:2]}-"
+        nb = nbformat.read(path, as_version=4)
+        changed = False
+        for cell in nb.cells:
+            if cell.cell_type == "markdown":
+                new = prefix_markdown(cell.source, prefix)
+                changed |= new != cell.source
+                cell.source = new
+        if changed:
+            nbformat.write(nb, path)
+            print("prefixed citations in", path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
