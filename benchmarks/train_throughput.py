@@ -1,0 +1,104 @@
+"""Training throughput of the tiny character model: fused attention vs the explicit formula.
+
+Measures tokens per second for whole optimisation steps (forward, backward, gradient clipping and
+an AdamW step) of ``GPTConfig.tiny`` with ``F.scaled_dot_product_attention`` (the default, "fused")
+and with the attention written out as matmul + mask + softmax + matmul ("explicit", which is what
+``GPT.set_fast_attention(False)`` selects). The two paths run on the same weights and batch, in
+alternating rounds, so load from other jobs on the machine affects both alike; the script reports
+the median of each and their ratio, by wall clock and by process CPU time.
+
+    .venv/bin/python benchmarks/train_throughput.py [--batch-size 16] [--steps 5] [--rounds 7] [--threads N]
+        [--context-length T]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lib.model import GPT, GPTConfig  # noqa: E402
+from lib.training import configure_optimizer  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5, help="optimisation steps per timed round")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per path (alternating)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="override the preset's context length (128), e.g. to see longer sequences")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    overrides = {} if args.context_length is None else {"context_length": args.context_length}
+    config = GPTConfig.tiny(vocab_size=65, **overrides)
+    model = GPT(config)
+    optimizer = configure_optimizer(model, lr=1e-3, weight_decay=0.1)
+    B, T = args.batch_size, config.context_length
+    x = torch.randint(0, config.vocab_size, (B, T))
+    y = torch.randint(0, config.vocab_size, (B, T))
+
+    # Same weights, same batch: both paths compute the same loss (up to float rounding).
+    losses = {}
+    for fast in (True, False):
+        model.set_fast_attention(fast)
+        with torch.no_grad():
+            losses[fast] = model(x, y)[1].item()
+    print(f"loss fused {losses[True]:.6f}, explicit {losses[False]:.6f}, "
+          f"|diff| {abs(losses[True] - losses[False]):.2e}")
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    results: dict[bool, dict[str, list[float]]] = {True: {"wall": [], "cpu": []}, False: {"wall": [], "cpu": []}}
+    for fast in (True, False):  # warm-up: first-call allocations and kernel selection
+        model.set_fast_attention(fast)
+        steps(2)
+    for _ in range(args.rounds):
+        for fast in (True, False):
+            model.set_fast_attention(fast)
+            wall, cpu = time.perf_counter(), time.process_time()
+            steps(args.steps)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            results[fast]["wall"].append(B * T * args.steps / wall)
+            results[fast]["cpu"].append(B * T * args.steps / cpu)
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_name()}")
+    print(f"GPTConfig.tiny(context_length={T}): {model.num_parameters():,} parameters, batch {B} x {T} tokens, "
+          f"{args.rounds} rounds x {args.steps} steps per path")
+    for clock in ("wall", "cpu"):
+        fused = statistics.median(results[True][clock])
+        explicit = statistics.median(results[False][clock])
+        unit = "tokens/s" if clock == "wall" else "tokens per CPU-second"
+        print(f"{clock:>4}: fused {fused:,.0f} {unit}, explicit {explicit:,.0f} {unit}, "
+              f"fused/explicit = {fused / explicit:.2f}x")
+    per_round = [f / e for f, e in zip(results[True]["wall"], results[False]["wall"])]
+    print("per-round wall ratios:", " ".join(f"{r:.2f}" for r in per_round))
+
+
+if __name__ == "__main__":
+    main()
