@@ -50,12 +50,13 @@ def use_style() -> None:
     plt.rcParams.update(STYLE)
 
 
-def save_figure(fig: Figure, name: str, fmt: str = "svg") -> Path:
-    """Write ``fig`` to ``figures/<name>.<fmt>`` and return the path.
+def save_figure(fig: Figure, name: str, fmt: str = "svg") -> None:
+    """Write ``fig`` to ``figures/<name>.<fmt>`` (see :func:`figure_path`).
 
     ``name`` is ``NN-what`` where NN is the chapter number, e.g. ``"04-attention-heatmap"``; the
     chapter shows the file with a numbered ``{figure}`` directive. The figure stays open so that
-    Jupyter and Colab also display it under the cell.
+    Jupyter and Colab also display it under the cell. Nothing is returned, so a call at the end of a
+    cell leaves no machine-specific path in the notebook's stored output.
     """
     if not isinstance(fig, Figure):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
@@ -64,10 +65,13 @@ def save_figure(fig: Figure, name: str, fmt: str = "svg") -> Path:
     if fmt not in _FORMATS:
         raise ValueError(f"fmt must be one of {_FORMATS}, got {fmt!r}")
     FIGURES_DIR.mkdir(parents=True, exist_ok=True)
-    path = FIGURES_DIR / f"{name}.{fmt}"
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
-    fig.savefig(path, format=fmt, metadata=metadata)
-    return path
+    fig.savefig(figure_path(name, fmt), format=fmt, metadata=metadata)
+
+
+def figure_path(name: str, fmt: str = "svg") -> Path:
+    """Where :func:`save_figure` writes the figure ``name``."""
+    return FIGURES_DIR / f"{name}.{fmt}"
 
 
 PIPELINE_STAGES: tuple[str, ...] = (

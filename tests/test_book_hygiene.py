@@ -112,3 +112,13 @@ def test_citations_use_the_chapter_key_prefix(path: Path):
             assert key.strip().startswith(prefix), f"{path.name}: citation {key!r} lacks prefix {prefix}"
     if "{bibliography}" in text:
         assert f":keyprefix: {prefix}" in text, f"{path.name}: bibliography lacks ':keyprefix: {prefix}'"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_outputs_hold_no_machine_specific_paths(path: Path):
+    """A stored output like PosixPath('/home/me/book/figures/x.svg') fails nbval on any other checkout."""
+    for cell in _cells(path):
+        for out in cell.get("outputs", []):
+            text = json.dumps(out.get("data", {}).get("text/plain", "")) + json.dumps(out.get("text", ""))
+            assert "PosixPath(" not in text and str(ROOT) not in text, (
+                f"{path.name}: an output shows a local path (assign save_figure's result: `_ = save_figure(...)`)")

@@ -16,7 +16,8 @@ def test_save_figure_is_deterministic(figdir):
     for _ in range(2):
         fig, ax = plt.subplots()
         ax.plot([0, 1, 2], [1, 0, 1])
-        paths.append(plotting.save_figure(fig, "99-test").read_bytes())
+        assert plotting.save_figure(fig, "99-test") is None  # no path in a notebook's output
+        paths.append(plotting.figure_path("99-test").read_bytes())
         plt.close(fig)
     assert paths[0] == paths[1]
     assert b"<svg" in paths[0]
@@ -24,8 +25,8 @@ def test_save_figure_is_deterministic(figdir):
 
 def test_save_figure_png(figdir):
     fig, _ = plt.subplots()
-    path = plotting.save_figure(fig, "99-test-png", fmt="png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plotting.save_figure(fig, "99-test-png", fmt="png")
+    assert plotting.figure_path("99-test-png", "png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plt.close(fig)
 
 
