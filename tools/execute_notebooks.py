@@ -17,7 +17,7 @@ def execute(path: Path, timeout: int = 900) -> float:
     """Run one notebook top to bottom and write it back; return the seconds it took."""
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     nbformat.write(nb, path)
     return time.perf_counter() - start
