@@ -16,6 +16,8 @@ from nbclient import NotebookClient
 def execute(path: Path, timeout: int = 900) -> float:
     """Run one notebook top to bottom and write it back; return the seconds it took."""
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # timings from an earlier run
     start = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
