@@ -244,7 +244,7 @@ def _model_config_dict(model: nn.Module) -> dict[str, Any] | None:
     config = getattr(model, "config", None)
     if config is None or not dataclasses.is_dataclass(config):
         return None
-    return json.loads(json.dumps(dataclasses.asdict(config)))
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -410,6 +410,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     os.close(fd)
     try:
         save_file(tensors, tmp_name, metadata={"format": "pt", "gptbook": json.dumps(header)})
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; a checkpoint is an ordinary file
         os.replace(tmp_name, path)
     finally:
         if os.path.exists(tmp_name):

@@ -1,0 +1,134 @@
+"""lib.pretrained: the shared trained model is cached, loads identical to a fresh run, and races safely.
+
+These tests train the real tiny preset on TinyShakespeare for a handful of steps (not the full
+schedule), which is enough to check the caching logic in seconds.
+"""
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lib import data, pretrained
+from lib.pretrained import TINY_TRAIN_CONFIG, cache_key, tiny_shakespeare_model, tiny_shakespeare_run
+from lib.model import GPTConfig
+from lib.training import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = TrainConfig(max_steps=4, batch_size=2, context_length=32, lr=1e-3, min_lr=1e-4, warmup_steps=1,
+                    eval_interval=2, eval_batches=1)
+
+
+@pytest.fixture()
+def empty_cache(tmp_path, monkeypatch):
+    """An empty model cache; the corpus still comes from wherever it is found now."""
+    monkeypatch.setenv("GPTBOOK_DATA", str(data.corpus_path().parent))
+    monkeypatch.setenv("GPTBOOK_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is as fast and unaffected by other jobs
+    yield tmp_path / "cache"
+    torch.set_num_threads(threads)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_cached_model_is_identical_to_a_fresh_one_and_is_loaded_not_trained(empty_cache, monkeypatch):
+    fresh = tiny_shakespeare_run(train_config=SHORT)
+    assert fresh.trained
+    assert fresh.path.is_file() and fresh.path.parent.parent == empty_cache / "models"
+    assert os.listdir(fresh.path.parent) == ["model.safetensors"]  # no temporary files left
+    assert fresh.tokenizer.vocab_size == 65 and fresh.model.config == GPTConfig.tiny(65)
+    assert not fresh.model.training
+    assert fresh.history.step == [0, 2, 4]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cached model should have been loaded, not trained")
+
+    monkeypatch.setattr(pretrained, "train", no_training)
+    cached = tiny_shakespeare_run(train_config=SHORT)
+    assert not cached.trained and cached.path == fresh.path
+    assert same_weights(cached.model, fresh.model)
+    assert cached.model.lm_head.weight is cached.model.tok_emb.weight  # still tied after loading
+    assert cached.history == fresh.history
+    model, tokenizer = tiny_shakespeare_model(train_config=SHORT)
+    assert same_weights(model, fresh.model) and tokenizer.chars == fresh.tokenizer.chars
+
+    # A second, independent training run (another empty cache) gives the same weights, bit for bit.
+    monkeypatch.undo()
+    monkeypatch.setenv("GPTBOOK_DATA", str(data.corpus_path().parent))
+    monkeypatch.setenv("GPTBOOK_CACHE", str(empty_cache.parent / "other"))
+    again = tiny_shakespeare_run(train_config=SHORT)
+    assert again.trained and same_weights(again.model, fresh.model)
+
+
+def test_the_callers_random_state_and_threads_are_the_same_whether_trained_or_loaded(empty_cache):
+    torch.set_num_threads(2)  # training uses one thread, then gives the caller's setting back
+    torch.manual_seed(42)
+    tiny_shakespeare_run(train_config=SHORT)  # trains
+    after_training = torch.rand(4)
+    assert torch.get_num_threads() == 2
+    torch.manual_seed(42)
+    tiny_shakespeare_run(train_config=SHORT)  # loads
+    after_loading = torch.rand(4)
+    torch.manual_seed(42)
+    assert torch.equal(after_training, torch.rand(4)) and torch.equal(after_loading, after_training)
+
+
+def test_seed_and_config_change_the_key_and_the_model(empty_cache):
+    run0 = tiny_shakespeare_run(train_config=SHORT, seed=0)
+    run1 = tiny_shakespeare_run(train_config=SHORT, seed=1)
+    assert run0.path != run1.path and not same_weights(run0.model, run1.model)
+    config = GPTConfig.tiny(65)
+    assert cache_key(config, SHORT, 0) == cache_key(config, SHORT, 0)
+    assert cache_key(config, SHORT, 0) != cache_key(config, TINY_TRAIN_CONFIG, 0)
+    assert cache_key(config, SHORT, 0) != cache_key(GPTConfig.tiny(65, n_layers=2), SHORT, 0)
+
+
+def test_an_unreadable_cache_file_is_rebuilt(empty_cache):
+    first = tiny_shakespeare_run(train_config=SHORT)
+    good = first.path.read_bytes()
+    first.path.write_bytes(good[: len(good) // 2])  # truncated, as if a disk filled up
+    with pytest.warns(UserWarning, match="unreadable cached model"):
+        rebuilt = tiny_shakespeare_run(train_config=SHORT)
+    assert rebuilt.trained and same_weights(rebuilt.model, first.model)
+    reloaded = tiny_shakespeare_run(train_config=SHORT)
+    assert not reloaded.trained and same_weights(reloaded.model, first.model)
+
+
+def test_two_processes_filling_the_cache_at_once_both_succeed(empty_cache):
+    script = ("import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(1)\n"
+              "from lib.pretrained import tiny_shakespeare_run\nfrom lib.training import TrainConfig\n"
+              f"run = tiny_shakespeare_run(train_config=TrainConfig(**{SHORT.to_dict()!r}))\n"
+              "print(run.trained)\n")
+    env = {**os.environ}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(ROOT)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the file they left must load cleanly
+        run = tiny_shakespeare_run(train_config=SHORT)
+    assert not run.trained
+    assert os.listdir(run.path.parent) == ["model.safetensors"]
+    os.environ["GPTBOOK_CACHE"] = str(empty_cache.parent / "in-process")  # restored by monkeypatch
+    fresh = tiny_shakespeare_run(train_config=SHORT)
+    assert fresh.trained and same_weights(run.model, fresh.model)
+
+
+def test_bad_arguments_are_named(empty_cache):
+    with pytest.raises(ValueError, match="device must be"):
+        tiny_shakespeare_run(device="tpu")
+    with pytest.raises(TypeError, match="train_config must be a TrainConfig"):
+        tiny_shakespeare_run(train_config={"max_steps": 3})
+    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+        tiny_shakespeare_run(seed=-1)
+    with pytest.raises(ValueError, match="num_threads must be None or a positive int"):
+        tiny_shakespeare_run(num_threads=0)
+    with pytest.raises(TypeError, match="model_config must be a GPTConfig"):
+        cache_key({}, SHORT, 0)
