@@ -74,13 +74,15 @@ def main() -> None:
     print(f"torch {torch.__version__}; MultiHeadAttention(d_model=128, n_heads=4), batch 1, float32, CPU")
     print("extra peak resident memory of one pass (MiB), fresh process per cell")
     print(f"{'T':>6} {'scores (MiB)':>13} | {'inference':^27} | {'training (fwd+bwd)':^27}")
-    print(f"{'':>6} {'':>13} | {'explicit':>8} {'fused':>8} {'ratio':>8} | {'explicit':>8} {'fused':>8} {'ratio':>8}")
+    columns = f"{'explicit':>8} {'fused':>8} {'ratio':>8}"
+    print(f"{'':>6} {'':>13} | {columns} | {columns}")
     for T in args.lengths:
         scores_mib = 1 * 4 * T * T * 4 / 2**20  # (B, H, T, T) float32
         row = [f"{T:>6} {scores_mib:>13.0f} |"]
         for mode in ("inference", "training"):
             explicit, fused = measure(T, "explicit", mode), measure(T, "fused", mode)
-            row.append(f"{explicit:>8.1f} {fused:>8.1f} {explicit / max(fused, 0.1):>7.1f}x" + (" |" if mode == "inference" else ""))
+            cell = f"{explicit:>8.1f} {fused:>8.1f} {explicit / max(fused, 0.1):>7.1f}x"
+            row.append(cell + (" |" if mode == "inference" else ""))
         print(" ".join(row), flush=True)
 
 

@@ -538,7 +538,8 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
     if val_data is not None:
         _check_ids("val_data", val_data, config.context_length, vocab_size)
     if checkpoint_path is not None and not isinstance(checkpoint_path, (str, os.PathLike)):
-        raise TypeError(f"checkpoint_path must be a str, os.PathLike or None, got {type(checkpoint_path).__name__}")
+        raise TypeError("checkpoint_path must be a str, os.PathLike or None, got "
+                        f"{type(checkpoint_path).__name__}")
     if not isinstance(resume, bool):
         raise ValueError(f"resume must be True or False, got {resume!r}")
     if resume and checkpoint_path is None:
@@ -607,7 +608,7 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
     bar = tqdm(total=config.max_steps, initial=start, disable=not progress, desc="training", unit="step")
     model.train()
     try:
-        if start == 0:
+        if not history.step:  # a fresh run: measure the untrained model first
             record(0)
             save(0)
         for step in range(start, end):

@@ -96,7 +96,8 @@ def test_resume_continues_bit_for_bit(tmp_path):
     assert [p for p in tmp_path.iterdir()] == [path]  # no temporary files left behind
 
 
-def test_resume_after_a_crash_replays_from_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("crash_at_step, last_checkpoint", [(1, 0), (25, 20)])
+def test_resume_after_a_crash_replays_from_the_last_checkpoint(tmp_path, crash_at_step, last_checkpoint):
     data = repeated()
     config = quick_config(max_steps=30, eval_interval=10)
     whole = train(small_gpt(), data, data, config, progress=False)
@@ -109,8 +110,8 @@ def test_resume_after_a_crash_replays_from_the_last_checkpoint(tmp_path):
     original_forward = model.forward
 
     def crashing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if model.training and calls["n"] > 25:
+        calls["n"] += model.training  # evaluation runs in eval mode and is not counted
+        if calls["n"] == crash_at_step:
             raise Crash("power cut")
         return original_forward(*args, **kwargs)
 
@@ -118,7 +119,7 @@ def test_resume_after_a_crash_replays_from_the_last_checkpoint(tmp_path):
     path = tmp_path / "run.safetensors"
     with pytest.raises(Crash):
         train(model, data, data, config, checkpoint_path=path, progress=False)
-    assert load_checkpoint(path, small_gpt()).step == 10  # steps 11.. were lost with the crash
+    assert load_checkpoint(path, small_gpt()).step == last_checkpoint  # later steps died with the crash
     resumed = train(small_gpt(seed=3), data, data, config, checkpoint_path=path, resume=True, progress=False)
     assert resumed.as_dict() == whole.as_dict()
 
