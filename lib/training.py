@@ -33,6 +33,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -603,7 +604,11 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
             save_checkpoint(checkpoint_path, model, optimizer, step=step, train_config=config,
                             history=history, rng=_rng_state(generator, device))
 
-    from tqdm.auto import tqdm
+    with warnings.catch_warnings():
+        # In a Jupyter kernel without ipywidgets, tqdm.auto warns (on stderr) and falls back to a text
+        # bar; the warning would differ between a run that trains and one that loads a cached model.
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from tqdm.auto import tqdm
 
     bar = tqdm(total=config.max_steps, initial=start, disable=not progress, desc="training", unit="step")
     model.train()
