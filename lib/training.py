@@ -339,6 +339,16 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
     return {"state": state, "param_groups": groups}
 
 
+def _check_checkpoint_args(path: Any, model: Any, optimizer: Any) -> None:
+    """The argument checks that saving and loading share."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+
+
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     step: int = 0, train_config: TrainConfig | None = None, history: History | None = None,
                     rng: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> Path:
@@ -350,12 +360,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """
     from safetensors.torch import save_file
 
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    _check_checkpoint_args(path, model, optimizer)
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if train_config is not None and not isinstance(train_config, TrainConfig):
@@ -439,12 +444,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    _check_checkpoint_args(path, model, optimizer)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path {str(path)!r} is not a checkpoint file (it does not exist)")

@@ -12,14 +12,7 @@ from lib.model import GPT, GPTConfig
 from lib.norms import LayerNorm, RMSNorm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: one thread avoids thread start-up and spinning, which dominate on a
-    busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.py
 
 
 def small(**overrides) -> GPTConfig:
