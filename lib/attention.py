@@ -61,8 +61,8 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     weights are the ones before dropout).
     output: ``(..., H, T_q, D)``; weights: ``(..., H, T_q, T_k)``, each row sums to 1.
     """
-    if q.size(-1) != k.size(-1) or k.shape[-2:] != v.shape[-2:]:
-        raise ValueError(f"q, k, v must share the last dimension and k, v the key length; got shapes "
+    if q.size(-1) != k.size(-1) or k.shape != v.shape:
+        raise ValueError(f"q, k, v must share the last dimension and k, v their whole shape; got shapes "
                          f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")

@@ -30,8 +30,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets must have shape {tuple(logits.shape[:-1])} (logits without the last "
                          f"dimension), got {tuple(targets.shape)}")
+    if targets.numel() == 0:
+        raise ValueError("targets must hold at least one token id (the mean of no losses is undefined)")
     V = logits.size(-1)
-    if targets.numel() and (targets.min() < 0 or targets.max() >= V):
+    if (targets.min() < 0 or targets.max() >= V):
         raise ValueError(f"targets must hold token ids in [0, {V}), got values in "
                          f"[{int(targets.min())}, {int(targets.max())}]")
     # At least float32: in bfloat16 (mixed precision) the log-probabilities would be too coarse.

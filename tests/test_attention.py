@@ -324,3 +324,12 @@ def test_mha_rejects_bad_input_shape():
     mha = MultiHeadAttention(32, 4)
     with pytest.raises(ValueError, match="d_model=32"):
         mha(torch.randn(2, 5, 16))
+
+
+def test_values_must_match_keys_head_for_head():
+    from lib.attention import scaled_dot_product_attention as sdpa
+
+    q = torch.randn(1, 4, 3, 8)
+    k = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="k, v"):
+        sdpa(q, k, torch.randn(1, 1, 3, 8))  # would silently broadcast one value head

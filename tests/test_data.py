@@ -115,3 +115,12 @@ def test_split_bad_inputs():
         data.train_val_split(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="too short"):
         data.train_val_split(torch.arange(3), 0.5)
+
+
+def test_ids_must_be_integers_and_sizes_real_ints():
+    with pytest.raises(TypeError, match="integer token ids"):
+        data.get_batch(torch.arange(50).float(), 2, 4)
+    with pytest.raises(TypeError, match="integer token ids"):
+        data.train_val_split(torch.rand(50))
+    with pytest.raises(ValueError, match="batch_size"):
+        data.get_batch(torch.arange(50), True, 4)

@@ -74,3 +74,8 @@ def test_bad_inputs_are_clear_errors():
         cross_entropy(logits, torch.full((2, 3), -1))
     with pytest.raises(TypeError, match="loss must be"):
         perplexity("1.0")
+
+
+def test_cross_entropy_rejects_empty_targets():
+    with pytest.raises(ValueError, match="targets"):
+        cross_entropy(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
