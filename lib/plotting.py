@@ -133,3 +133,19 @@ def pipeline_figure(highlight: str | Sequence[str] | None = None) -> Figure:
                                          arrowstyle="-|>", mutation_scale=10, color="#888888"))
     fig.tight_layout(pad=0.2)
     return fig
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
+    """A table for the book's pages: Markdown that Jupyter renders and the HTML build shows as a table."""
+    if not headers:
+        raise ValueError("headers must name at least one column")
+    for i, row in enumerate(rows):
+        if len(row) != len(headers):
+            raise ValueError(f"rows[{i}] has {len(row)} cells; headers has {len(headers)} columns")
+    lines = [list(headers), ["---"] * len(headers), *[[str(x) for x in row] for row in rows]]
+    text = "\n".join("| " + " | ".join(str(x) for x in line) + " |" for line in lines)
+    try:
+        from IPython.display import Markdown
+    except ImportError:  # pragma: no cover
+        return text
+    return Markdown(text)

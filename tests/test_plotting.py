@@ -62,3 +62,12 @@ def test_pipeline_figure_highlights_stages():
 def test_pipeline_figure_rejects_unknown_stage():
     with pytest.raises(ValueError, match="highlight"):
         plotting.pipeline_figure("attention")
+
+
+def test_markdown_table():
+    table = plotting.markdown_table(["a", "b"], [[1, "x"], [2.5, "y"]])
+    assert getattr(table, "data", table) == "| a | b |\n| --- | --- |\n| 1 | x |\n| 2.5 | y |"
+    with pytest.raises(ValueError, match="rows\\[0\\]"):
+        plotting.markdown_table(["a", "b"], [[1]])
+    with pytest.raises(ValueError, match="headers"):
+        plotting.markdown_table([], [])
