@@ -58,3 +58,96 @@ def test_glue_and_show_source():
     assert "def seed_everything" in str(getattr(code, "data", code))
     with pytest.raises(TypeError, match="obj"):
         S.show_source(42)
+
+
+# --- The chapters' setup cell (tools/setup_cell.py) as a Colab user runs it -------------------
+
+from pathlib import Path
+import shutil
+import subprocess
+import sys
+import types
+
+REPO = Path(__file__).resolve().parent.parent
+SETUP_CELL = (REPO / "tools" / "setup_cell.py").read_text()
+
+
+def _copy_book(dest: Path) -> None:
+    """A minimal clone of the book: lib/, the setup cell, the requirements (what the cell needs)."""
+    shutil.copytree(REPO / "lib", dest / "lib", ignore=shutil.ignore_patterns("__pycache__"))
+    (dest / "tools").mkdir(parents=True)
+    shutil.copy(REPO / "tools" / "setup_cell.py", dest / "tools" / "setup_cell.py")
+    shutil.copy(REPO / "requirements.txt", dest / "requirements.txt")
+
+
+@pytest.fixture()
+def colab(tmp_path, monkeypatch):
+    """A Colab-like machine: cwd /content, a bare /lib beside it, google.colab imported,
+    subprocess.run recorded instead of run. Yields (content dir, recorded calls)."""
+    content = tmp_path / "content"
+    content.mkdir()
+    (tmp_path / "lib").mkdir()  # like Linux's /lib: a `lib` folder that is not this book's
+    (tmp_path / "lib" / "x86_64-linux-gnu").mkdir()
+    monkeypatch.chdir(content)
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    # The book is not on a Colab kernel's path: only what the cell adds may find `lib`.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != REPO])
+    saved = {k: m for k, m in sys.modules.items() if k == "lib" or k.startswith("lib.")}
+    for k in saved:
+        del sys.modules[k]
+    calls = []
+
+    def fake_run(cmd, *args, **kwargs):
+        calls.append(list(cmd))
+        if cmd[:2] == ["git", "clone"]:  # what git would do, without the network
+            _copy_book(content / cmd[-1])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    try:
+        yield content, calls
+    finally:
+        for k in [k for k in sys.modules if k == "lib" or k.startswith("lib.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def _run_setup_cell() -> dict:
+    namespace: dict = {}
+    exec(compile(SETUP_CELL, "setup_cell", "exec"), namespace)
+    return namespace
+
+
+def test_setup_cell_on_colab_uses_the_existing_clone_not_slash_lib(colab, monkeypatch):
+    content, calls = colab
+    monkeypatch.delenv("GPTBOOK_DEVICE", raising=False)
+    _copy_book(content / "gpt-from-the-ground-up")
+    ns = _run_setup_cell()
+    clone = (content / "gpt-from-the-ground-up").resolve()
+    assert Path(sys.modules["lib"].__file__).resolve().parent == clone / "lib"
+    assert Path(sys.modules["lib.setup"].__file__).resolve() == clone / "lib" / "setup.py"
+    assert ns["env"].colab and ns["env"].root.resolve() == clone
+    assert not any(c[:2] == ["git", "clone"] for c in calls)  # the clone was there already
+    # setup() installs requirements.txt from the clone once (Colab's torch satisfies its range).
+    pip = [c for c in calls if c[1:4] == ["-m", "pip", "install"]]
+    assert pip == [[sys.executable, "-m", "pip", "install", "--quiet", "-r",
+                    str(clone / "requirements.txt")]]
+
+
+def test_setup_cell_on_colab_clones_the_book_first(colab):
+    content, calls = colab
+    _run_setup_cell()
+    assert calls[0] == ["git", "clone", "--depth=1",
+                        "https://github.com/gpt-from-the-ground-up/gpt-from-the-ground-up",
+                        "gpt-from-the-ground-up"]
+    assert Path(sys.modules["lib"].__file__).resolve().parent == \
+        (content / "gpt-from-the-ground-up" / "lib").resolve()
+
+
+def test_setup_cell_outside_the_book_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "lib").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(FileNotFoundError, match="chapters/ folder"):
+        _run_setup_cell()
