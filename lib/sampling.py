@@ -1,4 +1,5 @@
-"""Choosing the next token from the model's logits: greedy, temperature, top-k, top-p (nucleus).
+"""Choosing the next token from the model's logits: greedy, temperature, top-k, top-p (nucleus);
+beam search for the most likely continuation.
 
 Every function takes logits of shape ``(..., V)`` (usually ``(B, V)``: the last position of each
 sequence). Filters return logits of the same shape with the removed tokens set to ``-inf``, so
@@ -88,3 +89,82 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     flat = probs.reshape(-1, probs.size(-1))  # (N, V)
     ids = torch.multinomial(flat, num_samples=1, generator=generator)  # (N, 1)
     return ids.reshape(probs.shape[:-1]).to(logits.device)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@torch.no_grad()
+def beam_search(model: torch.nn.Module, ids: torch.Tensor, beam_width: int, max_new_tokens: int,
+                length_penalty: float = 1.0, eos_id: int | None = None) -> tuple[torch.Tensor, float]:
+    """The most likely continuation of ``ids`` ``(1, T)`` that beam search finds, and its log-probability.
+
+    ``model(x)`` maps ids ``(N, T)`` to logits ``(N, T, V)`` (or to a tuple whose first item is
+    them, like :class:`lib.model.GPT`). Each step extends every kept sequence (*beam*) by every token,
+    scores a candidate by the sum of its tokens' log-probabilities and keeps the ``beam_width`` best.
+    A candidate that ends with ``eos_id`` is finished and leaves the beam. At the end the finished
+    and the unfinished sequences compete on ``log_prob / n_new ** length_penalty`` (``n_new`` = number
+    of new tokens, end token included); without ``eos_id`` all have the same length and the highest
+    log-probability wins. With ``beam_width >= V ** max_new_tokens`` nothing is ever dropped, so the
+    result is what an exhaustive search over all continuations returns.
+
+    Returns ``(ids (1, T + n_new), log_prob)``: the prompt followed by the chosen tokens, and the sum
+    of the chosen tokens' log-probabilities (a float, not length-normalised). A model with a
+    ``config.context_length`` sees at most that many of the latest tokens. Runs in eval mode.
+    """
+    if not callable(model):
+        raise TypeError(f"model must be callable (ids -> logits), got {type(model).__name__}")
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"ids must be an integer tensor of token ids, got "
+                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if ids.dim() != 2 or ids.size(0) != 1 or ids.size(1) == 0:
+        raise ValueError(f"ids must have shape (1, T) with T >= 1 (a batch of one), got {tuple(ids.shape)}")
+    if not _is_int(beam_width) or beam_width < 1:
+        raise ValueError(f"beam_width must be an int >= 1, got {beam_width!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if (not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool)
+            or not abs(length_penalty) < float("inf")):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if eos_id is not None and (not _is_int(eos_id) or eos_id < 0):
+        raise ValueError(f"eos_id must be None or an int >= 0, got {eos_id!r}")
+
+    config = getattr(model, "config", None)
+    ctx = getattr(config, "context_length", None)
+    was_training = getattr(model, "training", None)
+    if was_training:
+        model.eval()
+    try:
+        beams = ids  # (N, T + t): the unfinished sequences, best first
+        scores = torch.zeros(1, dtype=torch.float64, device=ids.device)  # (N,) their log-probabilities
+        finished: list[tuple[torch.Tensor, float]] = []  # (sequence (T + n,), log-probability)
+        for _ in range(max_new_tokens):
+            out = model(beams if ctx is None else beams[:, -ctx:])
+            logits = out[0] if isinstance(out, (tuple, list)) else out  # (N, T', V)
+            last = logits[:, -1, :]
+            logp = torch.log_softmax(last.to(torch.promote_types(last.dtype, torch.float32)), dim=-1)
+            V = logp.size(-1)
+            if eos_id is not None and eos_id >= V:
+                raise ValueError(f"eos_id must be < the vocabulary size {V}, got {eos_id}")
+            candidates = scores[:, None] + logp.to(torch.float64)  # (N, V)
+            best, flat = torch.topk(candidates.flatten(), min(beam_width, candidates.numel()))
+            parent, token = flat // V, flat % V
+            grown = torch.cat([beams[parent], token[:, None].to(beams.dtype)], dim=1)  # (k, T + t + 1)
+            done = token == eos_id if eos_id is not None else torch.zeros_like(token, dtype=torch.bool)
+            finished += [(grown[i], best[i].item()) for i in done.nonzero().flatten().tolist()]
+            beams, scores = grown[~done], best[~done]
+            if beams.size(0) == 0:
+                break
+        n_prompt = ids.size(1)
+        pool = finished + [(beams[i], scores[i].item()) for i in range(beams.size(0))]
+
+        def rank(item: tuple[torch.Tensor, float]) -> float:
+            n_new = item[0].numel() - n_prompt
+            return item[1] if n_new == 0 else item[1] / n_new ** length_penalty
+
+        sequence, log_prob = max(pool, key=rank)
+    finally:
+        if was_training:
+            model.train()
+    return sequence[None, :], float(log_prob)
