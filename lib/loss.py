@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+
+from lib.checks import check_id_range, check_int, check_token_ids, check_type
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -17,29 +20,45 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return z - torch.log(torch.exp(z).sum(dim=dim, keepdim=True))
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int | None = None,
+                  fast: bool = False) -> torch.Tensor:
     """Mean negative log-likelihood of ``targets`` under ``softmax(logits)``.
 
     ``logits`` has shape ``(..., V)`` (e.g. ``(B, T, V)`` or ``(N, V)``), ``targets`` the same shape
-    without the last dimension, holding ids in ``[0, V)``. Returns a scalar tensor.
+    without the last dimension, holding ids in ``[0, V)``. Returns a scalar tensor, computed in at
+    least float32.
+
+    ``ignore_index``: targets equal to it (padding) are left out, and the mean is over the others,
+    as in ``F.cross_entropy(..., ignore_index=...)``; when every target is ignored the mean of no
+    losses is NaN, as in torch. ``fast=True`` hands the same computation to torch's fused
+    ``F.cross_entropy``; ``GPT.set_fast`` chooses it for the model's loss.
+
+    The targets' range is checked when they are on the CPU. On a GPU, reading them would make every
+    training step wait for the device; there the data is checked once where it enters (``train``).
     """
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+    check_type("logits", logits, torch.Tensor, "floating-point tensor of shape (..., V)")
+    if not logits.is_floating_point() or logits.dim() < 1:
         raise TypeError("logits must be a floating-point tensor of shape (..., V)")
-    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex():
-        raise TypeError("targets must be an integer tensor of token ids")
+    check_token_ids("targets", targets)
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets must have shape {tuple(logits.shape[:-1])} (logits without the last "
                          f"dimension), got {tuple(targets.shape)}")
     if targets.numel() == 0:
         raise ValueError("targets must hold at least one token id (the mean of no losses is undefined)")
+    check_int("ignore_index", ignore_index, minimum=None, optional=True)
     V = logits.size(-1)
-    if (targets.min() < 0 or targets.max() >= V):
-        raise ValueError(f"targets must hold token ids in [0, {V}), got values in "
-                         f"[{int(targets.min())}, {int(targets.max())}]")
+    if targets.device.type == "cpu":
+        check_id_range("targets", targets, V, ignore_index)
     # At least float32: in bfloat16 (mixed precision) the log-probabilities would be too coarse.
-    logp = log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (..., V)
-    logp_correct = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # (...)
-    return -logp_correct.mean()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if fast:
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1).long(),
+                               ignore_index=-100 if ignore_index is None else ignore_index)
+    keep = torch.ones_like(targets, dtype=torch.bool) if ignore_index is None else targets != ignore_index
+    safe_targets = targets.long().masked_fill(~keep, 0)  # any valid id; its loss is dropped below
+    logp = log_softmax(logits, dim=-1)  # (..., V)
+    logp_correct = logp.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)  # (...)
+    return -logp_correct.masked_fill(~keep, 0.0).sum() / keep.sum()
 
 
 def perplexity(loss: float | torch.Tensor) -> float | torch.Tensor:
@@ -49,6 +68,6 @@ def perplexity(loss: float | torch.Tensor) -> float | torch.Tensor:
     """
     if isinstance(loss, torch.Tensor):
         return torch.exp(loss)
-    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
-        raise TypeError(f"loss must be a float or a tensor, got {type(loss).__name__}")
-    return math.exp(loss)
+    if isinstance(loss, bool):
+        raise TypeError("loss must be a float or a tensor, got bool")
+    return math.exp(check_type("loss", loss, (int, float), "float or a tensor"))

@@ -20,6 +20,7 @@ from torch import nn
 
 from lib.attention import KVCache, MultiHeadAttention
 from lib.block import TransformerBlock, make_norm
+from lib.checks import check_id_range, check_int, check_token_ids
 from lib.loss import cross_entropy
 from lib.norms import LayerNorm, RMSNorm
 from lib.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
@@ -150,6 +151,7 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
+        self.fast = True  # fused F.cross_entropy for the loss; see set_fast
         C = config.d_model
         self.tok_emb = nn.Embedding(config.vocab_size, C)
         self.pos_emb: nn.Module | None = None
@@ -179,18 +181,16 @@ class GPT(nn.Module):
             if name.endswith(RESIDUAL_PROJECTIONS):
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def _check_ids(self, ids: torch.Tensor, name: str = "ids") -> None:
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"{name} must be an integer tensor of token ids, got {type(ids).__name__}")
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
+    def _check_ids(self, ids: torch.Tensor, check_range: bool = False) -> None:
+        """``ids`` must be an integer ``(B, T)`` tensor, T >= 1; with ``check_range`` (where data
+        enters: ``generate``, ``attention_maps``) also every id in ``[0, vocab_size)``. ``forward``
+        does not read the values: on a GPU that would make every training step wait for the device
+        (``train`` checks its data once instead)."""
+        check_token_ids("ids", ids)
         if ids.dim() != 2 or ids.size(1) == 0:
-            raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
-        V = self.config.vocab_size
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= V:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} holds token id {bad}, out of range [0, vocab_size={V})")
+            raise ValueError(f"ids must have shape (B, T) with T >= 1, got {tuple(ids.shape)}")
+        if check_range:
+            check_id_range("ids", ids, self.config.vocab_size)
 
     def _embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Token embeddings plus (learned or sinusoidal) positions: ``(B, T) -> (B, T, C)``."""
@@ -221,7 +221,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x, _ = block(x, kv_cache=None if kv_caches is None else kv_caches[i])
         logits = self.lm_head(self.norm_f(x))  # (B, T, C) -> (B, T, V)
-        loss = None if targets is None else cross_entropy(logits, targets)
+        loss = None if targets is None else cross_entropy(logits, targets, fast=self.fast)
         return logits, loss
 
     @contextlib.contextmanager
@@ -237,6 +237,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def attention_maps(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """Attention weights of every layer, each ``(B, H, T, T)`` (rows sum to 1), in eval mode."""
+        self._check_ids(ids, check_range=True)
         with self._eval_mode():
             x = self._embed(ids)
             maps = []
@@ -248,19 +249,22 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None) -> torch.Tensor:
         """Extend ``ids`` ``(B, T)`` by ``max_new_tokens`` tokens: ``(B, T + max_new_tokens)``.
 
-        Each step samples from the last position's logits (see :func:`lib.sampling.sample_next`;
-        ``temperature=0`` is greedy). With ``use_cache`` the first step processes the prompt and
-        later steps only the newest token, reading earlier keys and values from a KV cache. The
-        model sees at most ``context_length`` tokens: once the sequence is longer, every step
-        recomputes on the last ``context_length`` tokens (as without a cache). Runs in eval mode.
+        Each step samples from the last position's logits with :func:`lib.sampling.sample_next`,
+        in this order: ``repetition_penalty`` (CTRL rule over every token of the sequence so far,
+        prompt included; None or 1.0 = off), ``temperature`` (0 = greedy), then the filters
+        ``top_k``, ``top_p``, ``min_p`` (None = off), then the draw. With ``use_cache`` the first
+        step processes the prompt and later steps only the newest token, reading earlier keys and
+        values from a KV cache. The model sees at most ``context_length`` tokens: once the sequence
+        is longer, every step recomputes on the last ``context_length`` tokens (as without a
+        cache). Runs in eval mode.
         """
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        check_sampling_args(temperature, top_k, top_p)
-        self._check_ids(ids)
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
+        check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
+        self._check_ids(ids, check_range=True)
         ctx = self.config.context_length
         caches = [KVCache() for _ in self.blocks] if use_cache else None
         with self._eval_mode():
@@ -272,19 +276,17 @@ class GPT(nn.Module):
                 else:
                     context = ids[:, caches[0].length:]  # the tokens the cache has not seen yet
                 logits, _ = self(context, kv_caches=caches)  # (B, T', V)
-                next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B,)
+                next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator,
+                                      min_p=min_p, repetition_penalty=repetition_penalty,
+                                      previous_ids=ids)  # (B,)
                 ids = torch.cat([ids, next_id[:, None].to(ids.dtype)], dim=1)  # (B, T + 1)
         return ids
 
-    def set_fast_attention(self, enabled: bool) -> None:
-        """Use ``F.scaled_dot_product_attention`` (True) or the explicit formula (False) in every layer."""
-        for module in self.modules():
-            if isinstance(module, MultiHeadAttention):
-                module.fast = bool(enabled)
-
     def set_fast(self, enabled: bool) -> None:
-        """Turn every fused-kernel path (attention, norms, GELU) on or off; off runs the written-out math."""
-        for module in self.modules():
+        """The one switch for every fused-kernel path: attention (``F.scaled_dot_product_attention``),
+        norms, GELU and the loss (``F.cross_entropy``). ``False`` runs the written-out math
+        everywhere; the results agree to rounding."""
+        for module in self.modules():  # self included: the loss is chosen by self.fast
             if hasattr(module, "fast"):
                 module.fast = bool(enabled)
 

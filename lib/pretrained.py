@@ -41,7 +41,8 @@ TINY_TRAIN_CONFIG = TrainConfig(
 )
 
 # Library modules whose code decides the trained weights; their source is part of the cache key.
-_CODE = ("model", "block", "attention", "feedforward", "norms", "positional", "training", "data", "tokenizers")
+_CODE = ("model", "config", "block", "attention", "feedforward", "norms", "positional", "loss", "checks",
+         "training", "checkpoint", "data", "tokenizers")
 _FORMAT = 1
 
 

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import torch
 
+from lib.checks import check_id_range, check_int, check_number, check_token_ids
+
 
 def check_sampling_args(temperature: float = 1.0, top_k: int | None = None,
-                        top_p: float | None = None) -> None:
-    """Raise ValueError for a temperature < 0, a top_k < 1 or a top_p outside (0, 1]."""
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or isinstance(top_p, bool)
-                              or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+                        top_p: float | None = None, min_p: float | None = None,
+                        repetition_penalty: float | None = None) -> None:
+    """Raise ValueError for a temperature < 0, a top_k < 1, a top_p outside (0, 1], a min_p outside
+    [0, 1] or a repetition_penalty that is not > 0."""
+    check_number("temperature", temperature, low=0)
+    check_int("top_k", top_k, optional=True)
+    check_number("top_p", top_p, 0, 1, low_open=True, optional=True)
+    check_number("min_p", min_p, 0, 1, optional=True)
+    check_number("repetition_penalty", repetition_penalty, low=0, low_open=True, optional=True)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -32,7 +34,7 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
     Temperature 0 is the limit "always the most likely token": use :func:`greedy` for it.
     """
-    check_sampling_args(temperature=temperature)
+    check_number("temperature", temperature, low=0)
     if temperature == 0:
         raise ValueError("temperature must be > 0 in apply_temperature; temperature 0 is greedy(logits)")
     return logits / temperature
@@ -43,7 +45,7 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
     Tokens tied with the k-th largest are kept too. ``k`` larger than the vocabulary keeps all.
     """
-    check_sampling_args(top_k=k)
+    check_int("top_k", k)
     k = min(k, logits.size(-1))
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
     return logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -55,7 +57,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     Sort tokens by probability; a token stays if the tokens ranked above it hold less than ``p`` of
     the mass. The most likely token always stays; ``p = 1`` keeps everything.
     """
-    check_sampling_args(top_p=p)
+    check_number("top_p", p, 0, 1, low_open=True)
     if p == 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V)
@@ -66,15 +68,57 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the tokens whose probability is at least ``p`` times the most likely token's; the rest
+    become ``-inf``.
+
+    Unlike top-p, the cut follows the model's confidence: a peaked distribution keeps few tokens, a
+    flat one many. ``p = 0`` keeps everything; the most likely token always stays.
+    """
+    check_number("min_p", p, 0, 1)
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)  # (..., 1)
+    return logits.masked_fill(probs < p * top, float("-inf"))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor,
+                             penalty: float) -> torch.Tensor:
+    """Make the tokens in ``previous_ids`` less likely (the CTRL rule, Keskar et al. 2019).
+
+    For every token that appears in ``previous_ids`` (however often), a positive logit is divided
+    by ``penalty`` and a negative one multiplied by it, so with ``penalty > 1`` the token always
+    loses probability. ``penalty = 1`` changes nothing; below 1 favours repeats.
+    ``logits`` ``(..., V)``; ``previous_ids`` ``(..., T)`` with the same leading dimensions.
+    """
+    check_number("penalty", penalty, low=0, low_open=True)
+    check_token_ids("previous_ids", previous_ids)
+    if previous_ids.shape[:-1] != logits.shape[:-1] or previous_ids.dim() < 1:
+        raise ValueError(f"previous_ids must have shape {tuple(logits.shape[:-1])} + (T,) (the logits' "
+                         f"leading dimensions), got {tuple(previous_ids.shape)}")
+    check_id_range("previous_ids", previous_ids, logits.size(-1))
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, previous_ids.long(), True)  # (..., V)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                top_p: float | None = None, generator: torch.Generator | None = None, *,
+                min_p: float | None = None, repetition_penalty: float | None = None,
+                previous_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row: ``(..., V) -> (...)`` token ids.
 
-    Order: temperature, then top-k, then top-p, then a draw from the softmax. ``temperature=0``
-    means greedy. ``generator`` makes the draw reproducible; when it lives on another device than
-    the logits (a CPU generator with a GPU model), the draw happens on the generator's device.
+    Order: the repetition penalty on the raw logits (needs ``previous_ids``, the tokens so far),
+    then temperature, then the filters top-k, top-p and min-p, then a draw from the softmax.
+    ``temperature=0`` means greedy (after the repetition penalty; the filters never remove the most
+    likely token, so they do not matter then). ``generator`` makes the draw reproducible; when it
+    lives on another device than the logits (a CPU generator with a GPU model), the draw happens on
+    the generator's device.
     """
-    check_sampling_args(temperature, top_k, top_p)
+    check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        if previous_ids is None:
+            raise ValueError("repetition_penalty needs previous_ids (the tokens generated so far)")
+        logits = apply_repetition_penalty(logits, previous_ids, repetition_penalty)
     if temperature == 0:
         return greedy(logits)
     logits = apply_temperature(logits, temperature)
@@ -82,6 +126,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
         logits = top_p_filter(logits, top_p)
+    if min_p is not None:
+        logits = min_p_filter(logits, min_p)
     # Softmax in at least float32: probabilities summed in bfloat16 are too coarse to sample from.
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     if generator is not None and generator.device != probs.device:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lib.sampling import apply_temperature, greedy, sample_next, top_k_filter, top_p_filter
+from lib.sampling import (apply_repetition_penalty, apply_temperature, greedy, min_p_filter, sample_next,
+                          top_k_filter, top_p_filter)
 
 
 def random_logits(*shape, seed=0, dtype=torch.float64):
@@ -97,6 +98,11 @@ def test_temperature_zero_and_top_k_one_are_greedy():
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_p=-0.2), "top_p"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(repetition_penalty=1.2), "repetition_penalty needs previous_ids"),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -113,3 +119,58 @@ def test_filter_functions_validate_too():
         apply_temperature(logits, -1.0)
     with pytest.raises(ValueError, match="greedy"):
         apply_temperature(logits, 0)
+
+
+def test_min_p_keeps_tokens_at_least_p_times_the_top_probability():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.1, 0.1, 0.1, 0.7]], dtype=torch.float64))
+    out = min_p_filter(logits, 0.3)  # thresholds 0.15 and 0.21
+    assert torch.isfinite(out).tolist() == [[True, True, True, False], [False, False, False, True]]
+    kept = torch.isfinite(out)
+    torch.testing.assert_close(out[kept], logits[kept])  # kept logits are untouched
+    assert torch.equal(min_p_filter(logits, 0.0), logits)
+    assert torch.isfinite(min_p_filter(logits, 1.0)).sum(-1).tolist() == [1, 1]
+    logits = random_logits(3, 50)
+    for p in (0.01, 0.1, 0.5):
+        probs = torch.softmax(logits, -1)
+        expected = probs >= p * probs.max(-1, keepdim=True).values
+        assert torch.equal(torch.isfinite(min_p_filter(logits, p)), expected)
+
+
+def test_repetition_penalty_follows_the_ctrl_rule():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    previous = torch.tensor([[0, 1, 1]])  # token 1 twice: penalised once, like any seen token
+    out = apply_repetition_penalty(logits, previous, 2.0)
+    assert out.tolist() == [[1.0, -4.0, 1.0, -1.0, 0.5]]
+    assert torch.equal(apply_repetition_penalty(logits, previous, 1.0), logits)
+    batch = random_logits(2, 7)
+    prev = torch.tensor([[0, 3], [6, 6]])
+    out = apply_repetition_penalty(batch, prev, 1.5)
+    seen = torch.zeros(2, 7, dtype=torch.bool)
+    seen[0, [0, 3]] = True
+    seen[1, 6] = True
+    torch.testing.assert_close(out[~seen], batch[~seen])
+    assert (out[seen] < batch[seen]).all()  # every seen token's logit goes down
+
+
+def test_repetition_penalty_bad_inputs():
+    logits = random_logits(2, 5)
+    with pytest.raises(ValueError, match="penalty must be a number > 0"):
+        apply_repetition_penalty(logits, torch.zeros(2, 3, dtype=torch.long), 0.0)
+    with pytest.raises(TypeError, match="previous_ids must be an integer tensor"):
+        apply_repetition_penalty(logits, torch.zeros(2, 3), 1.2)
+    with pytest.raises(ValueError, match=r"previous_ids must have shape \(2,\) \+ \(T,\)"):
+        apply_repetition_penalty(logits, torch.zeros(3, 3, dtype=torch.long), 1.2)
+    with pytest.raises(ValueError, match=r"previous_ids holds token id 5"):
+        apply_repetition_penalty(logits, torch.full((2, 1), 5), 1.2)
+    with pytest.raises(ValueError, match="min_p"):
+        min_p_filter(logits, 2.0)
+
+
+def test_sample_next_applies_penalty_before_greedy_and_filters():
+    logits = torch.tensor([[3.0, 2.9, -1.0]])
+    previous = torch.tensor([[0]])
+    assert sample_next(logits, temperature=0).item() == 0
+    assert sample_next(logits, temperature=0, repetition_penalty=1.5, previous_ids=previous).item() == 1
+    g = torch.Generator().manual_seed(0)
+    draws = sample_next(logits.expand(200, 3), min_p=0.5, generator=g)
+    assert set(draws.tolist()) == {0, 1}  # token 2 is far below half the top probability
