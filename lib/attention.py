@@ -1,6 +1,8 @@
 """Causal self-attention: masks, scaled dot-product attention, multi-head attention with a KV cache.
 
-- :func:`causal_mask` / :func:`attention_mask`: which keys each query may look at.
+- :func:`attention_mask` (and its everyday case :func:`causal_mask`): which keys each query may
+  look at.
+- :func:`repeat_kv`: grouped-query attention's sharing of key/value heads.
 - :func:`scaled_dot_product_attention`: the formula written out (scores, scale, mask, softmax,
   weighted sum); returns the attention weights too, for plots.
 - :class:`KVCache`: the keys and values of the tokens generated so far, for one layer.
@@ -18,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lib.checks import check_divisible, check_int, check_number
+
 
 def attention_mask(T_q: int, T_k: int, window: int | None = None,
                    device: torch.device | str | None = None) -> torch.Tensor:
@@ -28,10 +32,9 @@ def attention_mask(T_q: int, T_k: int, window: int | None = None,
     causal case. A query sees the keys at its own position and before; with ``window=w`` only the
     ``w`` most recent of them (itself included).
     """
-    if not isinstance(T_q, int) or not isinstance(T_k, int) or not 0 <= T_q <= T_k:
-        raise ValueError(f"need ints 0 <= T_q <= T_k, got T_q={T_q!r}, T_k={T_k!r}")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    check_int("T_k", T_k, minimum=0)
+    check_int("T_q", T_q, minimum=0, maximum=T_k)
+    check_int("window", window, optional=True)
     q_pos = torch.arange(T_k - T_q, T_k, device=device)[:, None]  # (T_q, 1)
     k_pos = torch.arange(T_k, device=device)[None, :]  # (1, T_k)
     allowed = k_pos <= q_pos  # no peeking at the future
@@ -41,10 +44,25 @@ def attention_mask(T_q: int, T_k: int, window: int | None = None,
 
 
 def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Bool lower-triangular mask ``(T, T)``: True where key j <= query i (attending is allowed)."""
-    if not isinstance(T, int) or isinstance(T, bool) or T < 0:
-        raise ValueError(f"T must be a non-negative int, got {T!r}")
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    """Bool lower-triangular mask ``(T, T)``: True where key j <= query i (attending is allowed).
+
+    The everyday case of :func:`attention_mask`: as many queries as keys, no window.
+    """
+    check_int("T", T, minimum=0)
+    return attention_mask(T, T, device=device)
+
+
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Grouped-query attention: repeat each of the ``H_kv`` key (or value) heads so that ``n_heads``
+    query heads each find theirs, ``(..., H_kv, T, D) -> (..., n_heads, T, D)``.
+
+    Head ``h`` reads key/value head ``h // (n_heads / H_kv)``: consecutive query heads share one.
+    """
+    H_kv = x.size(-3)
+    if n_heads % H_kv:
+        raise ValueError(f"the number of query heads ({n_heads}) must be a multiple of "
+                         f"key/value heads ({H_kv})")
+    return x if H_kv == n_heads else x.repeat_interleave(n_heads // H_kv, dim=-3)
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,13 +84,8 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                          f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
-    if q.dim() >= 3 and k.size(-3) != q.size(-3):  # grouped-query attention: share k/v heads
-        H, H_kv = q.size(-3), k.size(-3)
-        if H % H_kv:
-            raise ValueError(f"the number of query heads ({H}) must be a multiple of "
-                             f"key/value heads ({H_kv})")
-        k = k.repeat_interleave(H // H_kv, dim=-3)  # (..., H_kv, T_k, D) -> (..., H, T_k, D)
-        v = v.repeat_interleave(H // H_kv, dim=-3)
+    if q.dim() >= 3:  # grouped-query attention: share k/v heads
+        k, v = repeat_kv(k, q.size(-3)), repeat_kv(v, q.size(-3))  # (..., H, T_k, D)
     T_q, T_k = q.size(-2), k.size(-2)
     if causal and T_q > T_k:
         raise ValueError(f"causal=True needs at most as many queries as keys, got T_q={T_q}, T_k={T_k}")
@@ -138,23 +151,15 @@ class MultiHeadAttention(nn.Module):
                  window: int | None = None) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        check_divisible("d_model", check_int("d_model", d_model), "n_heads", check_int("n_heads", n_heads))
+        check_divisible("n_heads", n_heads, "n_kv_heads", check_int("n_kv_heads", n_kv_heads))
         head_dim = d_model // n_heads
         if rope is not None and getattr(rope, "head_dim", head_dim) != head_dim:
             raise ValueError(f"rope.head_dim ({rope.head_dim}) must equal the head dimension "
                              f"d_model / n_heads = {head_dim}")
-        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            raise ValueError(f"window must be None or an int >= 1, got {window!r}")
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
-        self.window, self.dropout = window, float(dropout)
+        self.window = check_int("window", window, optional=True)
+        self.dropout = check_number("dropout", dropout, 0, 1, high_open=True)
         self.fast = True  # False forces the explicit path (used to compare the two)
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -183,9 +188,7 @@ class MultiHeadAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, H_kv, T_k, D), T_k = offset + T
         T_k = k.size(2)
-        if H_kv != H:  # each key/value head serves H / H_kv query heads
-            k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H_kv, T_k, D) -> (B, H, T_k, D)
-            v = v.repeat_interleave(H // H_kv, dim=1)
+        k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H_kv, T_k, D) -> (B, H, T_k, D)
         p = self.dropout if self.training else 0.0
         if need_weights or not self.fast:
             mask = attention_mask(T, T_k, self.window, device=x.device)  # (T, T_k)

@@ -5,35 +5,30 @@ the residual stream.
     x = x + ffn(norm2(x))     # each token is processed on its own
 
 Which norm, which feed-forward network and which positions are chosen by a
-:class:`lib.model.GPTConfig`, so GPT-2-style and Llama-style blocks are the same code.
+:class:`lib.config.GPTConfig`, so GPT-2-style and Llama-style blocks are the same code.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lib.attention import KVCache, MultiHeadAttention
+from lib.config import GPTConfig
 from lib.feedforward import FeedForward, SwiGLU
 from lib.norms import LayerNorm, RMSNorm
 from lib.positional import RotaryEmbedding
 
-if TYPE_CHECKING:  # only for type hints: lib.model imports this module
-    from lib.model import GPTConfig
-
 
 def make_norm(config: GPTConfig) -> nn.Module:
     """The normalisation layer the config asks for: LayerNorm (bias as ``config.bias``) or RMSNorm."""
-    if config.norm == "layernorm":
-        return LayerNorm(config.d_model, bias=config.bias)
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model)
-    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {config.norm!r}")
+    return LayerNorm(config.d_model, bias=config.bias)  # GPTConfig allows only these two
 
 
 def make_ffn(config: GPTConfig) -> nn.Module:
-    """The feed-forward network the config asks for: a GELU/ReLU MLP or SwiGLU."""
+    """The feed-forward network the config asks for: SwiGLU for ``ffn='swiglu'``, otherwise the
+    two-matrix MLP with ``config.ffn`` as its activation ('gelu', 'gelu_tanh' or 'relu')."""
     if config.ffn == "swiglu":
         return SwiGLU(config.d_model, config.d_ff, bias=config.bias, dropout=config.dropout)
     return FeedForward(config.d_model, config.d_ff, activation=config.ffn, bias=config.bias,

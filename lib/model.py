@@ -1,141 +1,31 @@
-"""The GPT model: one config dataclass, embeddings, a stack of blocks, a final norm, an output head.
+"""The GPT model: embeddings, a stack of blocks, a final norm, an output head.
 
     ids (B, T) -> token embeddings (+ positions) -> n_layers x TransformerBlock -> norm_f
         -> lm_head -> logits (B, T, V)
 
-:class:`GPTConfig` describes the architecture (GPT-2-style and Llama-style models are the same code
-with different settings) and has presets: :meth:`GPTConfig.tiny`, :meth:`GPTConfig.gpt2_small`,
-:meth:`GPTConfig.llama_style`. :class:`GPT` computes logits and the loss, generates text (with or
+The architecture comes from a :class:`lib.config.GPTConfig` (importable from here too, as
+``lib.model.GPTConfig``). :class:`GPT` computes logits and the loss, generates text (with or
 without a KV cache), returns attention maps for plots, and counts its parameters by component.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from lib.attention import KVCache, MultiHeadAttention
 from lib.block import TransformerBlock, make_norm
-from lib.checks import check_id_range, check_int, check_token_ids
+from lib.checks import check_id_range, check_int, check_token_ids, check_type
+from lib.config import GPTConfig
 from lib.loss import cross_entropy
 from lib.norms import LayerNorm, RMSNorm
 from lib.positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from lib.sampling import check_sampling_args, sample_next
 
-NORMS = ("layernorm", "rmsnorm")
-FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
-POSITIONS = ("learned", "sinusoidal", "rope", "none")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclass
-class GPTConfig:
-    """Every architectural choice of a GPT. The defaults are the tiny character model.
-
-    ``n_kv_heads=None`` means one key/value head per query head (plain multi-head attention).
-    ``ffn``: 'gelu' (exact), 'gelu_tanh' (GPT-2's approximation), 'relu', or 'swiglu'.
-    ``positions``: 'learned' (GPT-2), 'sinusoidal', 'rope' (Llama) or 'none'.
-    ``window``: sliding-window attention span (None = attend to the whole past).
-    """
-
-    vocab_size: int = 65
-    context_length: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    d_ff: int = 512
-    norm: str = "layernorm"
-    ffn: str = "gelu"
-    positions: str = "learned"
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    bias: bool = False
-    window: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("n_kv_heads", "window"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("positions", POSITIONS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"positions='rope' needs an even head dimension, but d_model / n_heads = "
-                             f"{self.d_model} / {self.n_heads} = {self.head_dim}")
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
-        if not _is_number(self.rope_base) or not self.rope_base > 1:
-            raise ValueError(f"rope_base must be a number > 1, got {self.rope_base!r}")
-        if not _is_number(self.dropout) or not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
-        for name in ("tie_embeddings", "bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-
-    @property
-    def head_dim(self) -> int:
-        """Dimension of one attention head, ``d_model / n_heads``."""
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """Number of key/value heads (``n_kv_heads``, or ``n_heads`` when that is None)."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON-friendly), the inverse of :meth:`from_dict`."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
-        """Rebuild a config from :meth:`to_dict`'s output; unknown keys are an error."""
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown GPTConfig fields: {sorted(unknown)}")
-        return cls(**d)
-
-    @classmethod
-    def tiny(cls, vocab_size: int = 65, **overrides: Any) -> GPTConfig:
-        """A small character-level model that trains in minutes on a laptop CPU (about 0.8M parameters)."""
-        config = cls(vocab_size=vocab_size, context_length=128, d_model=128, n_layers=4, n_heads=4,
-                     d_ff=512, norm="layernorm", ffn="gelu", positions="learned", tie_embeddings=True,
-                     dropout=0.0, bias=False)
-        return replace(config, **overrides)
-
-    @classmethod
-    def gpt2_small(cls, **overrides: Any) -> GPTConfig:
-        """GPT-2 small (124M): LayerNorm with biases, tanh-GELU MLP, learned positions, tied head."""
-        config = cls(vocab_size=50257, context_length=1024, d_model=768, n_layers=12, n_heads=12,
-                     d_ff=3072, norm="layernorm", ffn="gelu_tanh", positions="learned",
-                     tie_embeddings=True, dropout=0.0, bias=True)
-        return replace(config, **overrides)
-
-    @classmethod
-    def llama_style(cls, **overrides: Any) -> GPTConfig:
-        """Shaped like Llama 3.2 1B: RMSNorm, SwiGLU, RoPE (base 500,000), 8 key/value heads, no biases."""
-        config = cls(vocab_size=128256, context_length=131072, d_model=2048, n_layers=16, n_heads=32,
-                     n_kv_heads=8, d_ff=8192, norm="rmsnorm", ffn="swiglu", positions="rope",
-                     rope_base=500000.0, tie_embeddings=True, dropout=0.0, bias=False)
-        return replace(config, **overrides)
-
+__all__ = ["GPT", "GPTConfig", "RESIDUAL_PROJECTIONS"]
 
 # Projections that write into the residual stream: GPT-2 scales their initial weights by
 # 1/sqrt(2 * n_layers), so the stream's variance does not grow with depth (two writes per block).
@@ -148,8 +38,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        check_type("config", config, GPTConfig, "GPTConfig")
         self.config = config
         self.fast = True  # fused F.cross_entropy for the loss; see set_fast
         C = config.d_model
