@@ -122,3 +122,210 @@ def test_outputs_hold_no_machine_specific_paths(path: Path):
             text = json.dumps(out.get("data", {}).get("text/plain", "")) + json.dumps(out.get("text", ""))
             assert "PosixPath(" not in text and str(ROOT) not in text, (
                 f"{path.name}: an output shows a local path (assign save_figure's result: `_ = save_figure(...)`)")
+
+
+# --- What a reader sees: no test plumbing, lines that fit, one style for references -------------
+#
+# Visibility in the HTML (myst-nb): tag `remove-cell` drops the whole cell, `remove-input` drops its
+# code, `remove-output` drops its outputs. `hide-input`, `hide-output` and `hide-cell` only fold
+# things behind a "Show code cell ..." toggle, so for these rules a folded cell counts as shown.
+
+WIDTH = 88  # characters of monospace text the theme's code and output boxes hold without scrolling
+PLUMBING_CALL = re.compile(r"(?<![\w.])(?:[A-Za-z_][\w.]*\.)?(glue|save_figure)\s*\(")
+NBVAL_COMMENT = re.compile(r"NBVAL_[A-Z_]+")
+
+
+def _tags(cell: dict) -> set[str]:
+    return set(cell.get("metadata", {}).get("tags", []))
+
+
+def _code_shown(cell: dict) -> bool:
+    return not _tags(cell) & {"remove-cell", "remove-input"}
+
+
+def _outputs_shown(cell: dict) -> bool:
+    return not _tags(cell) & {"remove-cell", "remove-output"}
+
+
+def _where(path: Path, index: int) -> str:
+    """'04_attention.ipynb cell 21 (id 3ce9f3db)': the 0-based position among all cells, and the
+    cell's id, which stays put when cells are inserted above it."""
+    cell_id = _cells(path)[index].get("id") if path.suffix == ".ipynb" else None
+    return f"{path.name} cell {index}" + (f" (id {cell_id})" if cell_id else "")
+
+
+def _report(problems: list[str], header: str) -> None:
+    if problems:
+        pytest.fail(header + "\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def _shown_output_text(out: dict) -> str:
+    """The plain text the page shows for one output ('' when it shows HTML, an image, Markdown...)."""
+    if out.get("output_type") == "stream":
+        text = out.get("text", "")
+    elif out.get("output_type") in ("execute_result", "display_data"):
+        data = out.get("data", {})
+        if set(data) != {"text/plain"}:  # a richer format is shown instead, or a glue record
+            return ""
+        text = data["text/plain"]
+    else:
+        return ""
+    return "".join(text) if isinstance(text, list) else text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_nbval_comments(path: Path):
+    """nbval is steered by cell tags (`nbval-ignore-output`, `nbval-skip`), never by comments that
+    readers would see: move the marker into the cell's tags and keep any reason as a plain comment."""
+    bad = [f"{_where(path, i)}: {m.group(0)}" for i, c in enumerate(_cells(path)) if c["cell_type"] == "code"
+           for m in NBVAL_COMMENT.finditer(_source(c))]
+    _report(bad, "NBVAL_* comment(s); use the cell tag nbval-ignore-output instead:")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_glue_and_save_figure_only_in_removed_cells(path: Path):
+    """`glue(...)` and `save_figure(...)` are book-keeping, not what the chapter teaches. A cell that
+    calls either must be one the HTML removes entirely: tagged `remove-cell`, or tagged both
+    `remove-input` and `remove-output`. Keep the computation in a visible cell and put the glue and
+    figure-saving calls in a `remove-cell` cell right after it."""
+    bad = []
+    for i, cell in enumerate(_cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        tags = _tags(cell)
+        if "remove-cell" in tags or {"remove-input", "remove-output"} <= tags:
+            continue
+        for n, line in enumerate(_source(cell).splitlines(), 1):
+            m = PLUMBING_CALL.search(line.split("#", 1)[0])
+            if m:
+                bad.append(f"{_where(path, i)} line {n}: {line.strip()}")
+    _report(bad, "glue/save_figure call in a cell the page shows (move it to a cell tagged remove-cell):")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_shown_code_lines_fit_the_page(path: Path):
+    """Code the page shows (cells not tagged remove-cell/remove-input; folded cells count) has lines
+    of at most 88 characters (WIDTH), the width of the theme's code box."""
+    bad = []
+    for i, cell in enumerate(_cells(path)):
+        if cell["cell_type"] == "code" and _code_shown(cell):
+            for n, line in enumerate(_source(cell).splitlines(), 1):
+                if len(line) > WIDTH:
+                    bad.append(f"{_where(path, i)} line {n} ({len(line)} chars): {line}")
+    _report(bad, f"shown code lines longer than {WIDTH} characters:")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_shown_output_lines_fit_the_page(path: Path):
+    """Text output the page shows (stream output, and plain-text results with no HTML/image/Markdown
+    form; cells tagged remove-cell/remove-output exempt) has lines of at most 88 characters (WIDTH).
+    Narrow the printout (fewer columns, shorter labels, torch/numpy linewidth) or wrap it."""
+    bad = []
+    for i, cell in enumerate(_cells(path)):
+        if cell["cell_type"] != "code" or not _outputs_shown(cell):
+            continue
+        for out in cell.get("outputs", []):
+            for line in _shown_output_text(out).splitlines():
+                if len(line) > WIDTH:
+                    bad.append(f"{_where(path, i)} output ({len(line)} chars): {line}")
+    _report(bad, f"shown output lines longer than {WIDTH} characters:")
+
+
+def _chapter_markdown(path: Path) -> list[tuple[int, str]]:
+    """(cell index, text) of a chapter's markdown: the markdown cells of a notebook, or a .md file."""
+    if path.suffix == ".md":
+        return [(0, path.read_text())]
+    return [(i, _source(c)) for i, c in enumerate(_cells(path)) if c["cell_type"] == "markdown"]
+
+
+CHAPTER_FILES = sorted(p for p in CHAPTERS.iterdir() if p.suffix in (".ipynb", ".md"))
+
+
+@pytest.mark.parametrize("path", CHAPTER_FILES, ids=lambda p: p.name)
+def test_equation_references_are_not_in_parentheses(path: Path):
+    """{eq}`label` already prints "(4.2)"; writing ({eq}`label`) shows "((4.2))"."""
+    bad = [f"{_where(path, i)}: {line.strip()}" for i, text in _chapter_markdown(path)
+           for line in text.splitlines() if re.search(r"\(\s*\{eq\}", line)]
+    _report(bad, "doubled parentheses around {eq} references (drop the outer ones):")
+
+
+HEADING = re.compile(r"^#{1,6}\s+\S.*$", re.M)
+
+
+@pytest.mark.parametrize("path", CHAPTER_FILES, ids=lambda p: p.name)
+def test_references_heading_before_bibliography(path: Path):
+    """Every chapter notebook (and any .md chapter with a bibliography) has exactly one
+    ```{bibliography} directive, and the last heading before it is "## References"."""
+    markdown = _chapter_markdown(path)
+    found = [(i, text.split("{bibliography}", 1)[0]) for i, text in markdown if "{bibliography}" in text]
+    if not found:
+        if path.suffix == ".ipynb":
+            _report([f"{path.name}: no ```{{bibliography}} directive"], "missing bibliography:")
+        return
+    if len(found) > 1:
+        _report([_where(path, i) for i, _ in found], "more than one bibliography directive:")
+    i, before = found[0]
+    text_before = "\n".join(t for j, t in markdown if j < i) + "\n" + before
+    headings = [h.strip() for h in HEADING.findall(text_before)]
+    last = headings[-1] if headings else None
+    if last != "## References":
+        _report([f"{_where(path, i)}: last heading before the directive is {last!r}"],
+                "the bibliography directive needs a '## References' heading right before it:")
+
+
+EXERCISE_ITEM = re.compile(r"^(\d+)[.)]\s")  # a top-level numbered list item
+EXERCISE_BOLD = re.compile(r"\*\*Exercise\s+(\d+)\b")
+SOLUTION_LABEL = re.compile(r"Solution to exercise\s+(\d+)", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_each_solution_sits_under_its_own_exercise(path: Path):
+    """In the "## Exercises" section (up to the next "## " heading), every code cell tagged
+    `hide-cell` is a solution (one cell per solution). Each must be immediately preceded by a
+    markdown cell containing "Solution to exercise N" (e.g. "**Solution to exercise 3**"; the
+    exercise's own text may share that cell), and N must be the number of the last exercise stated
+    above it, so no solution is parked after later exercises. Exercises are numbered either as
+    top-level list items ("3. **Title.** ...") or as "**Exercise 3: ...**" (when a chapter uses the
+    bold form anywhere in the section, only that form counts); each N gets at most one solution."""
+    cells = _cells(path)
+    start = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+                  and re.search(r"^## Exercises\s*$", _source(c), re.M)), None)
+    if start is None:
+        return
+    bold_style = any(EXERCISE_BOLD.search(_source(c)) for c in cells[start:] if c["cell_type"] == "markdown")
+    problems, solved = [], set()
+    last_exercise = None
+    for i in range(start, len(cells)):
+        cell, text = cells[i], _source(cells[i])
+        if cell["cell_type"] == "markdown":
+            lines = text.splitlines()
+            if i > start and any(line.startswith("## ") for line in lines):
+                lines = lines[: next(n for n, line in enumerate(lines) if line.startswith("## "))]
+                end = True
+            else:
+                end = False
+            for line in lines:
+                if SOLUTION_LABEL.search(line):
+                    continue
+                m = EXERCISE_BOLD.search(line) if bold_style else EXERCISE_ITEM.match(line)
+                if m:
+                    last_exercise = int(m.group(1))
+            if end:
+                break
+            continue
+        if "hide-cell" not in _tags(cell):
+            continue
+        prev = cells[i - 1]
+        label = SOLUTION_LABEL.findall(_source(prev)) if prev["cell_type"] == "markdown" else []
+        first_line = text.splitlines()[0] if text else ""
+        if not label:
+            problems.append(f"{_where(path, i)}: solution has no 'Solution to exercise N' markdown cell "
+                            f"right above it (exercise last stated: {last_exercise}; cell starts: {first_line})")
+        elif int(label[-1]) != last_exercise:
+            problems.append(f"{_where(path, i)}: labelled 'Solution to exercise {label[-1]}' but the last "
+                            f"exercise stated above it is {last_exercise} (put it right under its exercise)")
+        elif last_exercise in solved:
+            problems.append(f"{_where(path, i)}: a second solution for exercise {last_exercise}")
+        else:
+            solved.add(last_exercise)
+    _report(problems, "exercise solutions out of place:")
