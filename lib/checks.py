@@ -82,12 +82,12 @@ def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
 
 def check_type(name: str, value: Any, types: type | tuple[type, ...], what: str | None = None,
                optional: bool = False) -> Any:
-    """``value`` if it is an instance of ``types`` (or None when ``optional``); else TypeError."""
+    """``value`` if it is an instance of ``types`` (or None when ``optional``); else a TypeError
+    "name must be a <what>, got <type>" (``what`` defaults to the class names)."""
     if (optional and value is None) or isinstance(value, types):
         return value
     if what is None:
-        names = types if isinstance(types, tuple) else (types,)
-        what = " or ".join(f"{t.__module__}.{t.__qualname__}".removeprefix("builtins.") for t in names)
+        what = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
     raise TypeError(f"{name} must be a {what}{' or None' if optional else ''}, "
                     f"got {type(value).__name__}")
 

@@ -1,13 +1,22 @@
-"""The architecture of a GPT as one dataclass, :class:`GPTConfig`, with presets.
+"""The plain-data descriptions of a run: the model, the training settings, what training recorded.
 
-GPT-2-style and Llama-style models are the same code with different settings:
-:meth:`GPTConfig.tiny` (the book's character model), :meth:`GPTConfig.gpt2_small`,
-:meth:`GPTConfig.llama_style`. :mod:`lib.block` and :mod:`lib.model` build modules from it.
+- :class:`GPTConfig`: the architecture. GPT-2-style and Llama-style models are the same code with
+  different settings: :meth:`GPTConfig.tiny` (the book's character model),
+  :meth:`GPTConfig.gpt2_small`, :meth:`GPTConfig.llama_style`. :mod:`lib.block` and
+  :mod:`lib.model` build modules from it.
+- :class:`TrainConfig`: everything :func:`lib.training.train` needs besides the model and data.
+- :class:`History`: the losses and learning rates a run recorded, ready to plot.
+
+They live apart from the code that uses them so that the model, the training loop and the
+checkpoint files can all read them without importing each other.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+import dataclasses
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+import torch
 
 from lib.checks import check_bool, check_choice, check_divisible, check_int, check_number
 
@@ -112,3 +121,108 @@ class GPTConfig:
                      n_kv_heads=8, d_ff=8192, norm="rmsnorm", ffn="swiglu", positions="rope",
                      rope_base=500000.0, tie_embeddings=True, dropout=0.0, bias=False)
         return replace(config, **overrides)
+
+
+_DEVICES = ("cpu", "cuda", "mps")
+
+
+def _device_type(device: Any) -> str | None:
+    """'cpu', 'cuda', 'mps', … for a device string such as 'cuda:0'; None when it is not one."""
+    try:
+        return torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        return None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run (together with the model and the data).
+
+    ``device=None`` trains wherever the model's parameters already are. ``amp`` uses bf16 autocast
+    on CUDA (ignored elsewhere). ``compile`` wraps the model in ``torch.compile`` on CUDA (ignored on
+    CPU and MPS, where compiling costs more than it saves at the book's sizes).
+    """
+
+    max_steps: int = 1000
+    batch_size: int = 32
+    context_length: int = 64
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = 1.0
+    eval_interval: int = 100
+    eval_batches: int = 10
+    seed: int = 0
+    device: str | None = None
+    amp: bool = True
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "context_length", "eval_interval", "eval_batches"):
+            check_int(name, getattr(self, name))
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_int("seed", self.seed, minimum=0)
+        check_number("lr", self.lr, low=0, low_open=True)
+        check_number("min_lr", self.min_lr, low=0)
+        check_number("weight_decay", self.weight_decay, low=0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr must be <= lr, got min_lr={self.min_lr!r} and lr={self.lr!r}")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps must be <= max_steps, got warmup_steps={self.warmup_steps} "
+                             f"and max_steps={self.max_steps}")
+        check_number("grad_clip", self.grad_clip, low=0, low_open=True, optional=True)
+        betas = self.betas
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if self.device is not None and _device_type(self.device) not in _DEVICES:
+            raise ValueError(f"device must be None or one of {_DEVICES} (optionally with an index, "
+                             f"e.g. 'cuda:0'), got {self.device!r}")
+        check_bool("amp", self.amp)
+        check_bool("compile", self.compile)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON-friendly data."""
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        """Rebuild a config from :meth:`to_dict` output; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"values has unknown TrainConfig fields {unknown}")
+        return cls(**{k: tuple(v) if k == "betas" else v for k, v in values.items()})
+
+
+@dataclass
+class History:
+    """What happened during training, as plain lists ready to plot.
+
+    Evaluations: ``step[i]`` optimisation steps had been taken when ``train_loss[i]`` and
+    ``val_loss[i]`` (mean loss over fixed batches; NaN without validation data) were measured, at
+    learning rate ``lr[i]``. Per step: ``batch_loss[s]`` is the loss of the batch that step ``s + 1``
+    trained on and ``grad_norm[s]`` its gradient norm before clipping.
+    """
+
+    step: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    batch_loss: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, list]:
+        """The history as a dict of lists (e.g. for JSON or a DataFrame)."""
+        return {f.name: list(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, list]) -> "History":
+        """Rebuild a history from :meth:`as_dict` output."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(values, dict) or set(values) != names:
+            raise ValueError(f"values must be a dict with exactly the keys {sorted(names)}")
+        return cls(**{k: list(v) for k, v in values.items()})

@@ -27,7 +27,9 @@ import torch
 from lib import data
 from lib.model import GPT, GPTConfig
 from lib.tokenizers import CharTokenizer
-from lib.training import History, TrainConfig, _device_type, load_checkpoint, save_checkpoint, train
+from lib.checkpoint import load_checkpoint, save_checkpoint
+from lib.config import History, TrainConfig, _device_type
+from lib.training import train
 
 __all__ = ["TINY_TRAIN_CONFIG", "PretrainedRun", "tiny_shakespeare_model", "tiny_shakespeare_run", "cache_key"]
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lib.model import GPT, GPTConfig
-from lib.training import History, TrainConfig, configure_optimizer, evaluate, load_checkpoint, lr_at, \
-    save_checkpoint, train
+from lib.checkpoint import load_checkpoint, save_checkpoint
+from lib.training import History, TrainConfig, configure_optimizer, evaluate, lr_at, train
 
 VOCAB = 12
 
@@ -291,15 +291,15 @@ def test_train_config_cross_field_checks():
 def test_train_rejects_bad_arguments_naming_them():
     model, data, config = small_gpt(), repeated(), quick_config()
     cases = [
-        (dict(train_data=data[None, :]), ValueError, "train_data must be a 1-D integer tensor"),
-        (dict(train_data=data.float()), ValueError, "train_data must be a 1-D integer tensor"),
+        (dict(train_data=data[None, :]), ValueError, "train_data must be a 1-D tensor of token ids"),
+        (dict(train_data=data.float()), TypeError, "train_data must be an integer tensor"),
         (dict(train_data=data[:10]), ValueError, "train_data has 10 tokens"),
-        (dict(val_data=data + VOCAB), ValueError, r"val_data holds ids outside \[0, 12\)"),
+        (dict(val_data=data + VOCAB), ValueError, r"val_data holds token id \d+, out of range \[0, vocab_size=12\)"),
         (dict(config=quick_config(context_length=17)), ValueError, "exceeds the model's context_length=16"),
         (dict(config={"max_steps": 3}), TypeError, "config must be a TrainConfig"),
         (dict(model="gpt"), TypeError, "model must be a torch.nn.Module"),
         (dict(resume=True), ValueError, "resume=True needs a checkpoint_path"),
-        (dict(stop_at=31), ValueError, r"stop_at must be None or an int in \[1, max_steps=30\]"),
+        (dict(stop_at=31), ValueError, r"stop_at must be None or an int in \[1, 30\]"),
         (dict(checkpoint_path=3), TypeError, "checkpoint_path must be"),
         (dict(progress="no"), ValueError, "progress must be True or False"),
     ]
