@@ -132,8 +132,8 @@ class RotaryEmbedding(nn.Module):
 
     Dimension ``i`` and dimension ``i + D/2`` form a pair that is rotated by the angle
     ``position * base^(-2i/D)``. Rotating both queries and keys makes ``q·k`` depend only on the
-    distance between their positions. Angles, cos and sin are computed in float32 and cast to
-    the input's dtype.
+    distance between their positions. Angles, cos and sin are computed in float64 (as
+    :func:`sinusoidal_table` does) and rounded once, to the input's dtype.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
@@ -141,12 +141,24 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = _check_even("head_dim", head_dim)
         self.base = _check_base(base)
         inv_freq = self.base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (D/2,)
+        # (D/2,) float32, for inspection and to follow the module's device; the angles recompute
+        # the frequencies in float64.
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def _angles64(self, positions: Tensor) -> Tensor:
+        """``positions (P,) -> (P, D/2)`` angles in float64, on the buffers' device (CPU for MPS,
+        which has no float64). A float32 angle near position 100,000 is off by ~0.004 rad."""
+        device = self.inv_freq.device
+        device = torch.device("cpu") if device.type == "mps" else device
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
+        inv_freq = self.base ** -exponents                                   # (D/2,), float64
+        return torch.outer(positions.to(device, torch.float64), inv_freq)    # (P, D/2)
 
     def angles(self, positions: Tensor | Sequence[int] | int) -> Tensor:
         """Rotation angles, shape ``(P, D/2)``: entry ``[p, i] = positions[p] * base^(-2i/D)``.
 
         ``positions`` is a 1-D tensor or sequence of positions, or an int ``n`` meaning ``0 … n-1``.
+        Computed in float64, returned as float32.
         """
         if isinstance(positions, int) and not isinstance(positions, bool):
             positions = torch.arange(_check_int("positions", positions, 1))
@@ -158,19 +170,23 @@ class RotaryEmbedding(nn.Module):
         if positions.ndim != 1 or positions.is_complex() or positions.dtype == torch.bool:
             raise ValueError(f"positions must be a 1-D real tensor, got shape {tuple(positions.shape)} "
                              f"and dtype {positions.dtype}")
-        positions = positions.to(device=self.inv_freq.device, dtype=torch.float32)
-        return torch.outer(positions, self.inv_freq)  # (P, D/2)
+        return self._angles64(positions).float().to(self.inv_freq.device)
 
-    def cos_sin(self, T: int, offset: int = 0, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
-        """cos and sin of the angles for positions ``offset … offset+T-1``, each ``(T, D)``, float32."""
+    def cos_sin(self, T: int, offset: int = 0, device: torch.device | str | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles for positions ``offset … offset+T-1``, each ``(T, D)``, in
+        ``dtype`` (float32 by default).
+
+        Angles, cos and sin are computed in float64 and only then rounded to ``dtype``: a float32
+        angle at position 100,000 would already be off by about 0.004 rad.
+        """
         T = _check_int("T", T, 1)
         offset = _check_int("offset", offset, 0)
         positions = torch.arange(offset, offset + T, device=self.inv_freq.device)
-        angles = self.angles(positions)                 # (T, D/2)
+        angles = self._angles64(positions)             # (T, D/2), float64
         angles = torch.cat((angles, angles), dim=-1)   # (T, D): dims i and i + D/2 share an angle
-        if device is not None:
-            angles = angles.to(device)
-        return angles.cos(), angles.sin()
+        device = self.inv_freq.device if device is None else device
+        return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Rotate ``x`` of shape ``(B, H, T, D)`` (any ``(..., T, D)``) by positions ``offset … offset+T-1``."""
@@ -184,8 +200,7 @@ class RotaryEmbedding(nn.Module):
         T = x.shape[-2]
         if T == 0:
             return x
-        cos, sin = self.cos_sin(T, offset, device=x.device)      # (T, D) each, float32
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cos, sin = self.cos_sin(T, offset, device=x.device, dtype=x.dtype)  # (T, D) each
         return x * cos + rotate_half(x) * sin                      # (..., T, D)
 
     def extra_repr(self) -> str:

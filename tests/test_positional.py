@@ -218,3 +218,23 @@ def test_rope_rejects_bad_arguments():
         rope.angles(torch.zeros(2, 2))
     with pytest.raises(TypeError, match="positions"):
         rope.angles("abc")
+
+
+def test_rope_angles_stay_accurate_at_large_positions():
+    """Angles, cos and sin come from float64 and are rounded once: at positions beyond 100k a
+    float32 computation of the angle is visibly off, lib's is not."""
+    D, base, offset, T = 64, 10000.0, 131_000, 16
+    rope = RotaryEmbedding(D, base)
+    pos = torch.arange(offset, offset + T, dtype=torch.float64)
+    inv64 = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ref = torch.outer(pos, inv64)                                  # float64 reference angles
+    ref_cos = torch.cat((ref, ref), -1).cos()
+    cos, sin = rope.cos_sin(T, offset)
+    assert cos.dtype == torch.float32
+    err = (cos.double() - ref_cos).abs().max().item()
+    assert err < 1e-6                                              # one rounding to float32
+    naive = torch.outer(pos.float(), inv64.float())                # the float32 way
+    naive_err = (torch.cat((naive, naive), -1).cos().double() - ref_cos).abs().max().item()
+    assert naive_err > 1e-3 > 1000 * err
+    torch.testing.assert_close(sin.double(), torch.cat((ref, ref), -1).sin(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rope.angles(pos), ref.float())
