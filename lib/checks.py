@@ -106,10 +106,10 @@ def check_token_ids(name: str, ids: Any, dim: int | None = None) -> torch.Tensor
     """
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be an integer tensor of token ids, got {type(ids).__name__}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
     if dim is not None and ids.dim() != dim:
         raise ValueError(f"{name} must be a {dim}-D tensor of token ids, got shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
     return ids
 
 

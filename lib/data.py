@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from lib.checks import check_int, check_number, check_token_ids
+
 
 @dataclass(frozen=True)
 class Corpus:
@@ -114,18 +116,10 @@ def load_text(corpus: Corpus = TINY_SHAKESPEARE, download: bool = True) -> str:
     return corpus_path(corpus, download=download).read_text(encoding="utf-8")
 
 
-def _check_ids(data: object) -> None:
-    if not isinstance(data, torch.Tensor) or data.dim() != 1:
-        raise ValueError(f"data must be a 1-D tensor of token ids, got {getattr(data, 'shape', type(data))}")
-    if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
-        raise TypeError(f"data must hold integer token ids, got dtype {data.dtype}")
-
-
 def train_val_split(data: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a 1-D token tensor into a leading training part and a trailing validation part."""
-    _check_ids(data)
-    if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    check_token_ids("data", data, dim=1)
+    check_number("val_fraction", val_fraction, 0, 1, low_open=True, high_open=True)
     n_train = int(len(data) * (1.0 - val_fraction))
     if n_train < 2 or len(data) - n_train < 2:
         raise ValueError(f"data of length {len(data)} is too short to split with val_fraction={val_fraction}")
@@ -143,11 +137,9 @@ def get_batch(
 
     Shapes: ``x, y ∈ (batch_size, context_length)``; ``y[b, t] == data[i_b + t + 1]``.
     """
-    _check_ids(data)
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if not isinstance(context_length, int) or isinstance(context_length, bool) or context_length < 1:
-        raise ValueError(f"context_length must be a positive int, got {context_length!r}")
+    check_token_ids("data", data, dim=1)
+    check_int("batch_size", batch_size)
+    check_int("context_length", context_length)
     if len(data) < context_length + 1:
         raise ValueError(f"data has {len(data)} tokens; context_length={context_length} needs at least "
                          f"{context_length + 1}")

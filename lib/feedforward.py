@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lib.checks import check_choice, check_int, check_number
+
 GELU_APPROXIMATIONS = ("none", "tanh")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
@@ -38,8 +40,7 @@ class GELU(nn.Module):
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
-        if approximate not in GELU_APPROXIMATIONS:
-            raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+        self.approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
         self.approximate = approximate
         self.fast = True
 
@@ -53,11 +54,9 @@ class GELU(nn.Module):
 
 
 def _check_sizes(d_model: int, d_ff: int, dropout: float) -> None:
-    for name, value in (("d_model", d_model), ("d_ff", d_ff)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+    check_int("d_model", d_model)
+    check_int("d_ff", d_ff)
+    check_number("dropout", dropout, 0, 1, high_open=True)
 
 
 class FeedForward(nn.Module):
@@ -67,8 +66,7 @@ class FeedForward(nn.Module):
                  dropout: float = 0.0) -> None:
         super().__init__()
         _check_sizes(d_model, d_ff, dropout)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        check_choice("activation", activation, ACTIVATIONS)
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
         self.act = {"gelu": GELU("none"), "gelu_tanh": GELU("tanh"), "relu": nn.ReLU()}[activation]
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)

@@ -15,12 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _check(d: int, eps: float) -> None:
-    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-        raise ValueError(f"d must be a positive int, got {d!r}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
+from lib.checks import check_int, check_number
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -37,8 +32,8 @@ class LayerNorm(nn.Module):
 
     def __init__(self, d: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
-        _check(d, eps)
-        self.d, self.eps = d, float(eps)
+        self.d = check_int("d", d)
+        self.eps = check_number("eps", eps, low=0, low_open=True)
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
         self.fast = True  # False forces the written-out path
@@ -69,8 +64,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d: int, eps: float = 1e-6) -> None:
         super().__init__()
-        _check(d, eps)
-        self.d, self.eps = d, float(eps)
+        self.d = check_int("d", d)
+        self.eps = check_number("eps", eps, low=0, low_open=True)
         self.weight = nn.Parameter(torch.ones(d))
         self.fast = True  # False forces the written-out path
 

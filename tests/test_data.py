@@ -118,9 +118,9 @@ def test_split_bad_inputs():
 
 
 def test_ids_must_be_integers_and_sizes_real_ints():
-    with pytest.raises(TypeError, match="integer token ids"):
+    with pytest.raises(TypeError, match="integer tensor of token ids"):
         data.get_batch(torch.arange(50).float(), 2, 4)
-    with pytest.raises(TypeError, match="integer token ids"):
+    with pytest.raises(TypeError, match="integer tensor of token ids"):
         data.train_val_split(torch.rand(50))
     with pytest.raises(ValueError, match="batch_size"):
         data.get_batch(torch.arange(50), True, 4)
