@@ -36,6 +36,7 @@ $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt
 book: $(STAMP)
 	$(BIN)/python tools/fetch_mathjax.py
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
+	$(BIN)/python tools/check_build.py _build/html
 	@echo "Book built: open _build/html/index.html"
 
 test: $(STAMP)

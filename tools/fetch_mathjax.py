@@ -1,15 +1,20 @@
-"""Put MathJax 3 into _static/mathjax so the built book renders math without a CDN.
+"""Put MathJax 3 into _mathjax/mathjax so the built book renders math without a CDN.
 
 Downloads the mathjax package from the npm registry once (SHA-256 verified, cached under
-GPTBOOK_CACHE), and unpacks its browser bundle. If the package cannot be fetched (offline, nothing
-cached), it writes a small loader that takes MathJax from its public CDN instead, so the build
-still succeeds and math renders wherever the reader is online.
+GPTBOOK_CACHE), and unpacks the one entry point the book uses (tex-mml-chtml.js) plus what it
+loads at run time (TeX extensions, CommonHTML fonts, accessibility and menu parts). If the package
+cannot be fetched (offline, nothing cached), it writes a small loader that takes MathJax from its
+public CDN instead, so the build still succeeds and math renders wherever the reader is online.
+
+Not under _static/: jupyter-book adds a <script> tag for every .js file there to every page.
+_config.yml copies _mathjax/ into the build root (html_extra_path) and points mathjax_path at it.
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import os
+import shutil
 import sys
 import tarfile
 import urllib.request
@@ -19,7 +24,7 @@ VERSION = "3.2.2"
 URL = f"https://registry.npmjs.org/mathjax/-/mathjax-{VERSION}.tgz"
 SHA256 = "1b9c0a1c44df864e915690558e72adb9cc5203360daefd385084ced3b6c64c09"
 ROOT = Path(__file__).resolve().parent.parent
-DEST = ROOT / "_static" / "mathjax"
+DEST = ROOT / "_mathjax" / "mathjax"
 ENTRY = "tex-mml-chtml.js"
 CDN_LOADER = f"""// MathJax could not be bundled when this book was built; load it from the CDN.
 (function () {{
@@ -51,10 +56,22 @@ def cached_tarball() -> bytes | None:
     return data
 
 
+# What tex-mml-chtml.js may load at run time, below package/es5/ (the other entry points, the SVG
+# output and the Node adaptors are never used by the book's pages).
+RUNTIME_DIRS = ("input/", "output/chtml/", "output/chtml.js", "a11y/", "ui/", "sre/")
+
+
+def wanted(relative: str) -> bool:
+    """True for the files of package/es5/ the book serves."""
+    return relative == ENTRY or relative.startswith(RUNTIME_DIRS)
+
+
 def main() -> None:
     marker = DEST / f".version-{VERSION}"
     if marker.exists():
         return
+    if DEST.exists():  # an older layout, a CDN loader from an offline build, a partial unpack
+        shutil.rmtree(DEST)
     DEST.mkdir(parents=True, exist_ok=True)
     data = cached_tarball()
     if data is None:
@@ -63,8 +80,9 @@ def main() -> None:
         return
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         for member in tar.getmembers():
-            if member.isfile() and member.name.startswith("package/es5/"):
-                target = DEST / member.name.removeprefix("package/es5/")
+            relative = member.name.removeprefix("package/es5/")
+            if member.isfile() and member.name.startswith("package/es5/") and wanted(relative):
+                target = DEST / relative
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(tar.extractfile(member).read())
     marker.touch()

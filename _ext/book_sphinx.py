@@ -1,0 +1,82 @@
+"""The book's small Sphinx extension (registered in _config.yml under sphinx.local_extensions).
+
+1. Bibliography style ``book_author_year``: the reference lists show the same "Vaswani et al., 2017"
+   labels that the author-year citations in the text show (pybtex's default alpha labels would show
+   "[VSP+17]"), sorted by author, year and title.
+2. No duplicate <script> tags: sphinx-thebe adds its inline configuration script once through the
+   app and once through the builder's registry, and the page then declares ``THEBE_JS_URL`` twice,
+   a JavaScript error in every page's console. Identical scripts are kept once.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable
+
+from pybtex.plugin import register_plugin
+from pybtex.style.formatting.unsrt import Style as UnsrtStyle
+from pybtex.style.labels import BaseLabelStyle
+
+STYLE_NAME = "book_author_year"
+
+
+def _surname(person: Any) -> str:
+    """'van der Maaten' for Laurens van der Maaten; braces protecting case are dropped."""
+    parts = [*person.prelast_names, *person.last_names]
+    return " ".join(parts).replace("{", "").replace("}", "")
+
+
+def author_year_label(entry: Any) -> str:
+    """'Vaswani et al., 2017', 'Kingma and Ba, 2015', 'Sennrich, 2016': as the in-text citations read."""
+    people = entry.persons.get("author") or entry.persons.get("editor") or []
+    if not people:
+        names = entry.fields.get("organization") or entry.fields.get("title") or entry.key
+        names = str(names).replace("{", "").replace("}", "")
+    elif len(people) == 1:
+        names = _surname(people[0])
+    elif len(people) == 2:
+        names = f"{_surname(people[0])} and {_surname(people[1])}"
+    else:
+        names = f"{_surname(people[0])} et al."
+    year = entry.fields.get("year", "n.d.")
+    return f"{names}, {year}"
+
+
+class AuthorYearLabelStyle(BaseLabelStyle):
+    """Author-year labels; two works with the same label get 2017a, 2017b (in sorted order)."""
+
+    def format_labels(self, sorted_entries: Iterable[Any]):
+        entries = list(sorted_entries)
+        labels = [author_year_label(e) for e in entries]
+        counts, seen = Counter(labels), Counter()
+        for label in labels:
+            if counts[label] > 1:
+                yield label + "abcdefghijklmnopqrstuvwxyz"[seen[label]]
+                seen[label] += 1
+            else:
+                yield label
+
+
+class AuthorYearStyle(UnsrtStyle):
+    default_label_style = "book_author_year"
+    default_sorting_style = "author_year_title"
+
+
+def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
+    scripts = context.get("script_files")
+    if not isinstance(scripts, list):
+        return
+    unique, seen = [], set()
+    for js in scripts:
+        attributes = getattr(js, "attributes", {})
+        key = (getattr(js, "filename", js) or "", tuple(sorted(attributes.items())))
+        if key not in seen:
+            seen.add(key)
+            unique.append(js)
+    scripts[:] = unique
+
+
+def setup(app) -> dict[str, Any]:
+    register_plugin("pybtex.style.labels", STYLE_NAME, AuthorYearLabelStyle)
+    register_plugin("pybtex.style.formatting", STYLE_NAME, AuthorYearStyle)
+    app.connect("html-page-context", _dedupe_scripts)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,113 @@
+"""The HTML build's configuration: MathJax served once and offline, author-year reference lists.
+
+The built pages themselves are checked by tools/check_build.py, which `make book` runs after every
+build; the last test here runs it on _build/html when a build is present.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
+SPHINX = CONFIG["sphinx"]["config"]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+fetch_mathjax = _load("fetch_mathjax", ROOT / "tools" / "fetch_mathjax.py")
+check_build = _load("check_build", ROOT / "tools" / "check_build.py")
+book_sphinx = _load("book_sphinx", ROOT / "_ext" / "book_sphinx.py")
+
+
+def test_no_javascript_under_static():
+    """jupyter-book 1.x adds a <script> tag for every .js file under _static/ to every page."""
+    found = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "_static").rglob("*.js"))
+    assert not found, f"move these out of _static/ (every page would load them): {found[:5]}"
+
+
+def test_mathjax_path_points_at_the_served_copy():
+    """mathjax_path (relative to _static/) reaches the entry point that fetch_mathjax unpacks into a
+    folder which html_extra_path copies to the build root."""
+    extra = SPHINX["html_extra_path"]
+    dest = fetch_mathjax.DEST
+    assert dest.parent.relative_to(ROOT).as_posix() in extra
+    assert "_static" not in dest.relative_to(ROOT).parts
+    served = Path("_static") / SPHINX["mathjax_path"]  # where the page's URL points, from the root
+    expected = Path(dest.name) / fetch_mathjax.ENTRY
+    assert Path(*[p for p in served.parts[2:]]) == expected and served.parts[:2] == ("_static", "..")
+
+
+def test_fetch_mathjax_keeps_the_entry_point_and_its_runtime_files_only():
+    assert fetch_mathjax.wanted("tex-mml-chtml.js")
+    assert fetch_mathjax.wanted("input/tex/extensions/boldsymbol.js")
+    assert fetch_mathjax.wanted("output/chtml/fonts/woff-v2/MathJax_Main-Regular.woff")
+    assert not fetch_mathjax.wanted("tex-svg-full.js")
+    assert not fetch_mathjax.wanted("output/svg/fonts/tex.js")
+
+
+def _write_page(tmp_path: Path, scripts: str, math: bool = True) -> Path:
+    (tmp_path / "mathjax").mkdir(exist_ok=True)
+    (tmp_path / "mathjax" / "tex-mml-chtml.js").write_text("//")
+    (tmp_path / "chapters").mkdir(exist_ok=True)
+    page = tmp_path / "chapters" / "x.html"
+    body = '<span class="math notranslate">x</span>' if math else ""
+    page.write_text(f"<html><head>{scripts}</head><body>{body}</body></html>")
+    return page
+
+
+def test_check_build_accepts_one_mathjax_and_flags_more_or_missing(tmp_path):
+    one = '<script defer="defer" src="../_static/../mathjax/tex-mml-chtml.js?v=1"></script>'
+    _write_page(tmp_path, one)
+    assert check_build.check(tmp_path) == []
+    _write_page(tmp_path, one + '<script src="../_static/mathjax/tex-chtml.js"></script>')
+    problems = check_build.check(tmp_path)
+    assert any("2 MathJax" in p for p in problems) and any("lacks" in p for p in problems)
+    _write_page(tmp_path, "")
+    assert any("0 MathJax" in p for p in check_build.check(tmp_path))
+    _write_page(tmp_path, "", math=False)
+    assert check_build.check(tmp_path) == []
+    twice = "<script>const A = 1</script>" * 2
+    _write_page(tmp_path, one + twice)
+    assert any("appears 2 times" in p for p in check_build.check(tmp_path))
+
+
+@pytest.mark.skipif(not (ROOT / "_build" / "html" / "index.html").exists(), reason="book not built")
+def test_built_pages_pass_check_build():
+    assert check_build.check(ROOT / "_build" / "html") == []
+
+
+def _entry(key: str, authors: list[str], year: str = "2017"):
+    from pybtex.database import Entry, Person
+
+    return Entry("article", fields={"title": "T", "year": year},
+                 persons={"author": [Person(a) for a in authors]}) if authors else \
+        Entry("misc", fields={"title": "{GPT} report", "year": year})
+
+
+def test_reference_list_labels_read_like_the_citations():
+    label = book_sphinx.author_year_label
+    assert label(_entry("a", ["Ashish Vaswani", "Noam Shazeer", "Niki Parmar"])) == "Vaswani et al., 2017"
+    assert label(_entry("b", ["Diederik P. Kingma", "Jimmy Ba"], "2015")) == "Kingma and Ba, 2015"
+    assert label(_entry("c", ["Rico Sennrich"], "2016")) == "Sennrich, 2016"
+    assert label(_entry("d", ["Laurens van der Maaten", "Geoffrey Hinton"], "2008")) == \
+        "van der Maaten and Hinton, 2008"
+    assert label(_entry("e", [])) == "GPT report, 2017"
+    entries = [_entry("f", ["A. Radford", "J. Wu", "R. Child"], "2019"),
+               _entry("g", ["A. Radford", "K. Narasimhan", "T. Salimans"], "2019")]
+    labels = list(book_sphinx.AuthorYearLabelStyle().format_labels(entries))
+    assert labels == ["Radford et al., 2019a", "Radford et al., 2019b"]
+
+
+def test_config_uses_the_author_year_style():
+    assert SPHINX["bibtex_reference_style"] == "author_year"
+    assert SPHINX["bibtex_default_style"] == book_sphinx.STYLE_NAME
+    assert CONFIG["sphinx"]["local_extensions"] == {"book_sphinx": "_ext/"}
