@@ -1,14 +1,15 @@
-"""Training throughput of the tiny character model: fused attention vs the explicit formula.
+"""Training throughput of the tiny character model: fused kernels vs the explicit formulas.
 
 Measures tokens per second for whole optimisation steps (forward, backward, gradient clipping and
 an AdamW step) of ``GPTConfig.tiny`` with ``F.scaled_dot_product_attention`` (the default, "fused")
-and with the attention written out as matmul + mask + softmax + matmul ("explicit", which is what
-``GPT.set_fast_attention(False)`` selects). The two paths run on the same weights and batch, in
+and with the attention written out as matmul + mask + softmax + matmul ("explicit"). ``--switch all``
+compares ``GPT.set_fast(True)`` with ``set_fast(False)`` instead: every fused path at once (attention,
+norms, GELU and the loss through ``F.cross_entropy``) against the written-out math. The two paths run on the same weights and batch, in
 alternating rounds, so load from other jobs on the machine affects both alike; the script reports
 the median of each and their ratio, by wall clock and by process CPU time.
 
     .venv/bin/python benchmarks/train_throughput.py [--batch-size 16] [--steps 5] [--rounds 7] [--threads N]
-        [--context-length T]
+        [--context-length T] [--switch attention|all]
 """
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def select_path(model: GPT, fast: bool, switch: str) -> None:
+    """Fused (``fast``) or explicit: attention alone, or every fused path through ``GPT.set_fast``."""
+    if switch == "all":
+        model.set_fast(fast)
+    else:
+        for block in model.blocks:
+            block.attn.fast = fast
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-size", type=int, default=16)
@@ -44,6 +54,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--context-length", type=int, default=None,
                         help="override the preset's context length (128), e.g. to see longer sequences")
+    parser.add_argument("--switch", choices=("attention", "all"), default="attention",
+                        help="what the explicit path replaces: attention only, or every fused kernel")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,7 +72,7 @@ def main() -> None:
     # Same weights, same batch: both paths compute the same loss (up to float rounding).
     losses = {}
     for fast in (True, False):
-        model.set_fast_attention(fast)
+        select_path(model, fast, args.switch)
         with torch.no_grad():
             losses[fast] = model(x, y)[1].item()
     print(f"loss fused {losses[True]:.6f}, explicit {losses[False]:.6f}, "
@@ -76,11 +88,11 @@ def main() -> None:
 
     results: dict[bool, dict[str, list[float]]] = {True: {"wall": [], "cpu": []}, False: {"wall": [], "cpu": []}}
     for fast in (True, False):  # warm-up: first-call allocations and kernel selection
-        model.set_fast_attention(fast)
+        select_path(model, fast, args.switch)
         steps(2)
     for _ in range(args.rounds):
         for fast in (True, False):
-            model.set_fast_attention(fast)
+            select_path(model, fast, args.switch)
             wall, cpu = time.perf_counter(), time.process_time()
             steps(args.steps)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -89,7 +101,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_name()}")
     print(f"GPTConfig.tiny(context_length={T}): {model.num_parameters():,} parameters, batch {B} x {T} tokens, "
-          f"{args.rounds} rounds x {args.steps} steps per path")
+          f"{args.rounds} rounds x {args.steps} steps per path, switch: {args.switch}")
     for clock in ("wall", "cpu"):
         fused = statistics.median(results[True][clock])
         explicit = statistics.median(results[False][clock])
