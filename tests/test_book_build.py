@@ -111,3 +111,12 @@ def test_config_uses_the_author_year_style():
     assert SPHINX["bibtex_reference_style"] == "author_year"
     assert SPHINX["bibtex_default_style"] == book_sphinx.STYLE_NAME
     assert CONFIG["sphinx"]["local_extensions"] == {"book_sphinx": "_ext/"}
+
+
+def test_math_containers_do_not_clip_glyphs():
+    """With the theme's overflow:auto on mjx-container, Chrome paints K^\\top as "K^|" (eq. 4.2);
+    _static/book.css lets the equation overflow and scrolls the wrapping div.math instead."""
+    css = (ROOT / "_static" / "book.css").read_text()
+    rule = css[css.index("div.math mjx-container"):]
+    assert "overflow: visible" in rule.split("}")[0]
+    assert "overflow-x: auto" in css[css.index("div.math {"):].split("}")[0]
