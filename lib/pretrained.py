@@ -9,14 +9,15 @@ whether the model was trained or loaded, and a notebook prints the same samples 
 
 The cache file lives in ``lib.data.cache_dir() / "models" / <key> / "model.safetensors"``. The key
 hashes everything the weights depend on: model and training configs, seed, device type, thread
-count, the torch version, the corpus checksum and the source of the library modules the computation
-runs through. Change any of them and the model is trained afresh. The file is written atomically (temporary name,
+count, the torch version, the corpus checksum and the source of the library code the computation
+runs through (whole modules, and the few data and tokenizer functions it uses). Change any of them and the model is trained afresh. The file is written atomically (temporary name,
 then rename), so two processes racing to fill the cache both end with a complete, identical file.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import warnings
 from dataclasses import dataclass
@@ -44,7 +45,10 @@ TINY_TRAIN_CONFIG = TrainConfig(
 
 # Library modules whose code decides the trained weights; their source is part of the cache key.
 _CODE = ("model", "config", "block", "attention", "feedforward", "norms", "positional", "loss", "checks",
-         "training", "checkpoint", "data", "tokenizers")
+         "training", "checkpoint")
+# From the data and tokenizer modules the run uses only these (the corpus itself is keyed by its
+# checksum), so an edit to, say, a download error message does not retrain the model.
+_CODE_OBJECTS = (data.train_val_split, data.get_batch, CharTokenizer)
 _FORMAT = 1
 
 
@@ -67,6 +71,8 @@ def _code_fingerprint() -> str:
         path = root / f"{name}.py"
         if path.exists():
             digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for obj in _CODE_OBJECTS:
+        digest.update(obj.__qualname__.encode() + b"\0" + inspect.getsource(obj).encode() + b"\0")
     return digest.hexdigest()
 
 
