@@ -95,19 +95,31 @@ def corpus_path(corpus: Corpus = TINY_SHAKESPEARE, download: bool = True, timeou
     if cached.exists():
         return _verified(cached, corpus)
     if not download:
-        raise FileNotFoundError(_missing_message(corpus, cached, "download=False"))
+        raise FileNotFoundError(_missing_message(corpus, cached, "download=False", data_dir))
     try:
         return _download(corpus, cached, timeout)
     except (urllib.error.URLError, OSError) as exc:
         if isinstance(exc, ChecksumError):
             raise
-        raise FileNotFoundError(_missing_message(corpus, cached, f"the download failed: {exc}")) from exc
+        # The message says what failed; the socket-level traceback would only bury it.
+        why = f"the download failed: {_summary(exc)}"
+        raise FileNotFoundError(_missing_message(corpus, cached, why, data_dir)) from None
 
 
-def _missing_message(corpus: Corpus, cached: Path, why: str) -> str:
+def _summary(exc: BaseException, limit: int = 160) -> str:
+    """One line naming an exception, e.g. 'URLError: [Errno -3] Temporary failure in name resolution'."""
+    reason = getattr(exc, "reason", None) if isinstance(exc, urllib.error.URLError) else None
+    text = f"{type(exc).__name__}: {reason if reason is not None else exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _missing_message(corpus: Corpus, cached: Path, why: str, data_dir: str | None = None) -> str:
+    where = (f"GPTBOOK_DATA is set to {data_dir}, which holds no {corpus.filename}. " if data_dir else "")
     return (
-        f"{corpus.filename} is not available ({why}). Put a copy (SHA-256 {corpus.sha256}) at {cached}, "
-        f"or in a folder named by the environment variable GPTBOOK_DATA. It can be downloaded from {corpus.url}"
+        f"{corpus.filename} is not available ({why}). {where}Put a copy (SHA-256 {corpus.sha256}) at "
+        f"{cached}, or in a folder named by the environment variable GPTBOOK_DATA. It can be downloaded "
+        f"from {corpus.url}"
     )
 
 

@@ -485,6 +485,15 @@ def tiktoken_encoding(name: str = "cl100k_base") -> Any:
     try:
         return tiktoken.get_encoding(name)
     except Exception as exc:  # network errors come in several types
-        raise RuntimeError(f"could not load the tiktoken encoding {name!r} ({exc}); offline, point the "
-                           f"environment variable TIKTOKEN_CACHE_DIR at a folder that holds it") from exc
+        # Summarise the cause in one line; the chained requests/urllib3/socket traceback (about 50
+        # lines) would only bury the message, so it is suppressed.
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+        cause = cause if len(cause) <= 160 else cause[:157] + "..."
+        import os
+
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+        where = (f"TIKTOKEN_CACHE_DIR is {cache}, which does not hold it" if cache
+                 else "TIKTOKEN_CACHE_DIR is not set")
+        raise RuntimeError(f"could not load the tiktoken encoding {name!r} ({cause}). {where}; offline, "
+                           f"point TIKTOKEN_CACHE_DIR at a folder that holds it") from None
 

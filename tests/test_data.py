@@ -124,3 +124,26 @@ def test_ids_must_be_integers_and_sizes_real_ints():
         data.train_val_split(torch.rand(50))
     with pytest.raises(ValueError, match="batch_size"):
         data.get_batch(torch.arange(50), True, 4)
+
+
+def test_offline_error_is_short_and_names_the_cause(isolated, monkeypatch):
+    """The reader sees the message and the cause in one line, not a chained socket traceback."""
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError(OSError(-3, "Temporary failure in name resolution"))
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", offline)
+    with pytest.raises(FileNotFoundError) as info:
+        data.corpus_path()
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    message = str(info.value)
+    assert "URLError" in message and "name resolution" in message and "\n" not in message
+
+
+def test_gptbook_data_without_the_corpus_is_reported(isolated, monkeypatch):
+    empty = isolated / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("GPTBOOK_DATA", str(empty))
+    with pytest.raises(FileNotFoundError, match=f"GPTBOOK_DATA is set to {empty}, which holds no"):
+        data.corpus_path()
+    with pytest.raises(FileNotFoundError, match="which holds no tinyshakespeare.txt"):
+        data.corpus_path(download=False)

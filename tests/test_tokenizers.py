@@ -391,3 +391,19 @@ def test_tiktoken_encoding_bad_names():
         tk.tiktoken_encoding(100)
     with pytest.raises(ValueError, match="name must be one of"):
         BPETokenizer.from_tiktoken("cl100k")
+
+
+def test_tiktoken_offline_error_is_short_and_names_the_cause(monkeypatch, tmp_path):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net', port=443): "
+                              "Max retries exceeded\n with url: /encodings/cl100k_base.tiktoken")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="TIKTOKEN_CACHE_DIR") as info:
+        tk.tiktoken_encoding("cl100k_base")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    message = str(info.value)
+    assert "ConnectionError" in message and str(tmp_path) in message and "\n" not in message
