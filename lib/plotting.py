@@ -41,6 +41,40 @@ STYLE: dict[str, Any] = {
     "svg.fonttype": "path",
 }
 
+# One size rule for text in figures. The HTML page shows a figure at most PAGE_WIDTH_IN wide (the
+# theme's text column, about 775 px); a wider figure is scaled down to that width, and its text with
+# it. save_figure therefore raises every text in a figure (tick labels, axis labels, legends,
+# annotations) to at least READABLE_PT as the reader sees it: READABLE_PT * width / PAGE_WIDTH_IN
+# in the figure's own points when the figure is wider than the page.
+PAGE_WIDTH_IN = 8.0
+READABLE_PT = 9.5
+
+
+def min_font_size(fig_width_in: float) -> float:
+    """The smallest font size (in the figure's points) that reads as READABLE_PT on the page."""
+    if not isinstance(fig_width_in, (int, float)) or isinstance(fig_width_in, bool) or fig_width_in <= 0:
+        raise ValueError(f"fig_width_in must be a positive number, got {fig_width_in!r}")
+    return READABLE_PT * max(1.0, fig_width_in / PAGE_WIDTH_IN)
+
+
+def make_readable(fig: Figure) -> None:
+    """Apply the size rule to ``fig`` in place: no text smaller than :func:`min_font_size`."""
+    from matplotlib.text import Text
+
+    if not isinstance(fig, Figure):
+        raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
+    floor = min_font_size(fig.get_figwidth())
+    for ax in fig.axes:
+        for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
+            labels = axis.get_ticklabels(which="both")
+            size = labels[0].get_fontsize() if labels else plt.rcParams[f"{name}tick.labelsize"]
+            if not isinstance(size, (int, float)) or size < floor:
+                ax.tick_params(axis=name, which="both", labelsize=floor)
+    for text in fig.findobj(Text):
+        if text.get_text() and text.get_fontsize() < floor:
+            text.set_fontsize(floor)
+
+
 _NAME = re.compile(r"^[0-9]{2}-[a-z0-9][a-z0-9-]*$")
 _FORMATS = ("svg", "png")
 
@@ -54,7 +88,8 @@ def save_figure(fig: Figure, name: str, fmt: str = "svg") -> None:
     """Write ``fig`` to ``figures/<name>.<fmt>`` (see :func:`figure_path`).
 
     ``name`` is ``NN-what`` where NN is the chapter number, e.g. ``"04-attention-heatmap"``; the
-    chapter shows the file with a numbered ``{figure}`` directive. The figure stays open so that
+    chapter shows the file with a numbered ``{figure}`` directive. Text smaller than the book's size
+    rule allows is enlarged first (:func:`make_readable`). The figure stays open so that
     Jupyter and Colab also display it under the cell. Nothing is returned, so a call at the end of a
     cell leaves no machine-specific path in the notebook's stored output.
     """
@@ -64,6 +99,7 @@ def save_figure(fig: Figure, name: str, fmt: str = "svg") -> None:
         raise ValueError(f"name must look like 'NN-lowercase-words' (e.g. '04-attention'), got {name!r}")
     if fmt not in _FORMATS:
         raise ValueError(f"fmt must be one of {_FORMATS}, got {fmt!r}")
+    make_readable(fig)
     FIGURES_DIR.mkdir(parents=True, exist_ok=True)
     metadata = {"Date": None} if fmt == "svg" else {"Software": None}
     fig.savefig(figure_path(name, fmt), format=fmt, metadata=metadata)
@@ -113,20 +149,20 @@ def pipeline_figure(highlight: str | Sequence[str] | None = None) -> Figure:
         raise ValueError(f"highlight must name stages from {PIPELINE_STAGES}, got {sorted(unknown)}")
 
     n = len(PIPELINE_STAGES)
-    fig, ax = plt.subplots(figsize=(10, 1.9))
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH_IN, 1.5))  # shown at its own size: no scaling
     ax.set_xlim(0, n)
     ax.set_ylim(0, 1)
     ax.axis("off")
-    box_w, box_h = 0.84, 0.46
+    box_w, box_h = 0.94, 0.46
     for i, stage in enumerate(PIPELINE_STAGES):
         on = stage in wanted
         x0 = i + (1 - box_w) / 2
         box = FancyBboxPatch((x0, 0.36), box_w, box_h, boxstyle="round,pad=0.02,rounding_size=0.08",
                              facecolor=HIGHLIGHT if on else MUTED, edgecolor="none")
         ax.add_patch(box)
-        ax.text(i + 0.5, 0.59, stage, ha="center", va="center", fontsize=10,
-                fontweight="bold", color="white" if on else "#333333")
-        ax.text(i + 0.5, 0.16, _STAGE_NOTES[stage], ha="center", va="center", fontsize=8,
+        ax.text(i + 0.5, 0.59, stage, ha="center", va="center", fontsize=READABLE_PT,
+                color="white" if on else "#333333")
+        ax.text(i + 0.5, 0.16, _STAGE_NOTES[stage], ha="center", va="center", fontsize=READABLE_PT,
                 color=HIGHLIGHT if on else "#666666")
         if i < n - 1:
             ax.add_patch(FancyArrowPatch((x0 + box_w + 0.01, 0.59), (i + 1 + (1 - box_w) / 2 - 0.01, 0.59),

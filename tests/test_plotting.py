@@ -71,3 +71,44 @@ def test_markdown_table():
         plotting.markdown_table(["a", "b"], [[1]])
     with pytest.raises(ValueError, match="headers"):
         plotting.markdown_table([], [])
+
+
+def test_size_rule_scales_with_figure_width():
+    assert plotting.min_font_size(6.4) == plotting.READABLE_PT  # narrower than the page: shown as is
+    assert plotting.min_font_size(2 * plotting.PAGE_WIDTH_IN) == 2 * plotting.READABLE_PT
+    for bad in (0, -1, "8", True):
+        with pytest.raises(ValueError, match="fig_width_in"):
+            plotting.min_font_size(bad)
+    with pytest.raises(TypeError, match="fig"):
+        plotting.make_readable("not a figure")
+
+
+def test_save_figure_makes_every_text_readable_at_page_width(figdir):
+    plotting.use_style()
+    fig, ax = plt.subplots(figsize=(12, 3))
+    ax.plot([0, 1], [0, 1], label="line")
+    ax.set(xlabel="x", ylabel="y", title="t")
+    ax.legend(fontsize=6)
+    ax.text(0.5, 0.5, "note", fontsize=5)
+    plotting.save_figure(fig, "99-wide")
+    floor = plotting.min_font_size(12)
+    fig.canvas.draw()
+    sizes = [t.get_fontsize() for t in fig.findobj(plt.Text) if t.get_text()]
+    sizes += [t.get_fontsize() for t in ax.get_xticklabels() + ax.get_yticklabels()]
+    assert min(sizes) >= floor > plotting.READABLE_PT
+    plt.close(fig)
+
+
+def test_pipeline_labels_are_readable_and_fit_their_boxes():
+    fig = plotting.pipeline_figure("embeddings")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    assert fig.get_figwidth() <= plotting.PAGE_WIDTH_IN  # shown at its own size, not scaled down
+    box = [p for p in ax.patches if hasattr(p, "get_boxstyle")][0]
+    box_px = box.get_window_extent(renderer).width
+    for text in ax.texts:
+        assert text.get_fontsize() >= plotting.READABLE_PT
+        if text.get_text() in plotting.PIPELINE_STAGES:
+            assert text.get_window_extent(renderer).width < box_px, text.get_text()
+    plt.close(fig)
