@@ -101,6 +101,9 @@ def test_reference_list_labels_read_like_the_citations():
     assert label(_entry("d", ["Laurens van der Maaten", "Geoffrey Hinton"], "2008")) == \
         "van der Maaten and Hinton, 2008"
     assert label(_entry("e", [])) == "GPT report, 2017"
+    # Like the in-text citations: "and others" counts as a name, so give two real authors first.
+    assert label(_entry("h", ["Aaron Grattafiori", "Abhimanyu Dubey", "others"], "2024")) == \
+        "Grattafiori et al., 2024"
     entries = [_entry("f", ["A. Radford", "J. Wu", "R. Child"], "2019"),
                _entry("g", ["A. Radford", "K. Narasimhan", "T. Salimans"], "2019")]
     labels = list(book_sphinx.AuthorYearLabelStyle().format_labels(entries))
@@ -120,3 +123,14 @@ def test_math_containers_do_not_clip_glyphs():
     rule = css[css.index("div.math mjx-container"):]
     assert "overflow: visible" in rule.split("}")[0]
     assert "overflow-x: auto" in css[css.index("div.math {"):].split("}")[0]
+
+
+def test_bib_entries_with_others_name_two_authors_first():
+    """sphinxcontrib-bibtex cites {A and others} as "A and others, 2024"; with two real authors
+    before "others" the citation and the list both read "A et al., 2024"."""
+    import re
+
+    for authors in re.findall(r"author\s*=\s*\{(.*)\},", (ROOT / "references.bib").read_text()):
+        names = [n.strip() for n in authors.split(" and ")]
+        if names[-1] == "others":
+            assert len(names) >= 3, f"give two authors before 'others': {authors}"
