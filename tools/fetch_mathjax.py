@@ -67,6 +67,9 @@ def wanted(relative: str) -> bool:
 
 
 def main() -> None:
+    legacy = ROOT / "_static" / "mathjax"  # where older versions of this script unpacked it
+    if legacy.exists():
+        shutil.rmtree(legacy)
     marker = DEST / f".version-{VERSION}"
     if marker.exists():
         return
