@@ -21,9 +21,10 @@ from lib.positional import RotaryEmbedding
 
 def make_norm(config: GPTConfig) -> nn.Module:
     """The normalisation layer the config asks for: LayerNorm (bias as ``config.bias``) or RMSNorm."""
+    eps = {} if config.norm_eps is None else {"eps": config.norm_eps}  # None: the layer's default
     if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model)
-    return LayerNorm(config.d_model, bias=config.bias)  # GPTConfig allows only these two
+        return RMSNorm(config.d_model, **eps)
+    return LayerNorm(config.d_model, bias=config.bias, **eps)  # GPTConfig allows only these two
 
 
 def make_ffn(config: GPTConfig) -> nn.Module:
@@ -40,7 +41,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        rope = RotaryEmbedding(config.head_dim, config.rope_base) if config.positions == "rope" else None
+        rope = (RotaryEmbedding(config.head_dim, config.rope_base, scaling=config.rope_scaling)
+                if config.positions == "rope" else None)
         self.norm1 = make_norm(config)
         self.attn = MultiHeadAttention(config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
                                        bias=config.bias, dropout=config.dropout, window=config.window)

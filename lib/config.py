@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lib.checks import check_bool, check_choice, check_divisible, check_int, check_number
+from lib.positional import check_rope_scaling
 
 NORMS = ("layernorm", "rmsnorm")
 FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
@@ -38,6 +39,9 @@ class GPTConfig:
     three-matrix network of Llama (``lib.feedforward.SwiGLU``).
     ``positions``: 'learned' (GPT-2), 'sinusoidal', 'rope' (Llama) or 'none'.
     ``window``: sliding-window attention span (None = attend to the whole past).
+    ``norm_eps``: the epsilon of every norm layer (None = the layer's default: 1e-5 for LayerNorm,
+    1e-6 for RMSNorm). ``rope_scaling``: None (plain RoPE) or a frequency-scaling rule for
+    ``positions='rope'``, e.g. Llama 3's (``lib.positional.check_rope_scaling``).
     """
 
     vocab_size: int = 65
@@ -55,6 +59,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     window: int | None = None
+    norm_eps: float | None = None
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
@@ -75,6 +81,10 @@ class GPTConfig:
         check_number("dropout", self.dropout, 0, 1, high_open=True)
         check_bool("tie_embeddings", self.tie_embeddings)
         check_bool("bias", self.bias)
+        check_number("norm_eps", self.norm_eps, low=0, low_open=True, optional=True)
+        self.rope_scaling = check_rope_scaling(self.rope_scaling)
+        if self.rope_scaling is not None and self.positions != "rope":
+            raise ValueError(f"rope_scaling needs positions='rope', got positions={self.positions!r}")
 
     @property
     def head_dim(self) -> int:

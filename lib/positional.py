@@ -7,7 +7,8 @@ Attention on its own treats its input as a set; these modules give it order.
 - :class:`LearnedPositionalEmbedding`: one trained vector per position, added the same way (GPT-2).
   It knows only the positions it was built for.
 - :class:`RotaryEmbedding`: rotates queries and keys by position-dependent angles inside attention,
-  so that their dot product depends on relative position (RoPE, Llama).
+  so that their dot product depends on relative position (RoPE, Llama). Optionally with Llama 3's
+  frequency scaling (:func:`llama3_inv_freq`), chosen by a ``rope_scaling`` dict.
 """
 from __future__ import annotations
 
@@ -120,6 +121,70 @@ class LearnedPositionalEmbedding(nn.Module):
         return f"context_length={self.context_length}, d_model={self.d_model}"
 
 
+ROPE_SCALING_TYPES = ("llama3",)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling: object) -> dict | None:
+    """A RoPE scaling setting, validated and normalised (a new dict), or None for plain RoPE.
+
+    The one rule so far is Llama 3's: ``{"rope_type": "llama3", "factor": 32.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``
+    (those are Llama 3.2's values); see :func:`llama3_inv_freq`.
+    """
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise TypeError(f"rope_scaling must be None or a dict, got {type(scaling).__name__}")
+    rope_type = scaling.get("rope_type")
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise ValueError(f"rope_scaling['rope_type'] must be one of {ROPE_SCALING_TYPES}, got {rope_type!r}")
+    expected = {"rope_type", *_LLAMA3_KEYS}
+    if set(scaling) != expected:
+        raise ValueError(f"rope_scaling of type 'llama3' needs exactly the keys {sorted(expected)}; "
+                         f"missing {sorted(expected - set(scaling))}, unknown {sorted(set(scaling) - expected)}")
+    out: dict = {"rope_type": rope_type}
+    for key in _LLAMA3_KEYS[:3]:
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"rope_scaling['{key}'] must be a finite number > 0, got {value!r}")
+        out[key] = float(value)
+    if out["factor"] < 1:
+        raise ValueError(f"rope_scaling['factor'] must be >= 1 (it stretches wavelengths), got {out['factor']}")
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"rope_scaling['high_freq_factor'] must be > rope_scaling['low_freq_factor'], got "
+                         f"{out['high_freq_factor']} and {out['low_freq_factor']}")
+    key = "original_max_position_embeddings"
+    out[key] = _check_int(f"rope_scaling['{key}']", scaling[key], 1)
+    return out
+
+
+def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> Tensor:
+    """Llama 3's RoPE frequency scaling: stretch the slow rotations, keep the fast ones.
+
+    With ``L = original_max_position_embeddings`` (the context the model was first trained at) and
+    each frequency's wavelength ``2*pi / inv_freq``: wavelengths shorter than ``L / high_freq_factor``
+    keep their frequency; wavelengths longer than ``L / low_freq_factor`` have it divided by
+    ``factor``; in between the frequency blends the two, linearly in ``L / wavelength``. Same shape
+    and dtype as ``inv_freq``.
+    """
+    wavelength = 2 * math.pi / inv_freq
+    L = original_max_position_embeddings
+    smooth = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)  # 0 slow .. 1 fast
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelength < L / high_freq_factor, inv_freq, blended)
+    return torch.where(wavelength > L / low_freq_factor, inv_freq / factor, out)
+
+
+def scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
+    """``inv_freq`` under the scaling rule ``scaling`` names (see :func:`check_rope_scaling`); None: unchanged."""
+    scaling = check_rope_scaling(scaling)
+    if scaling is None:
+        return inv_freq
+    return llama3_inv_freq(inv_freq, **{k: scaling[k] for k in _LLAMA3_KEYS})
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension (a 90° turn of each pair)."""
     half = x.shape[-1] // 2
@@ -133,14 +198,17 @@ class RotaryEmbedding(nn.Module):
     Dimension ``i`` and dimension ``i + D/2`` form a pair that is rotated by the angle
     ``position * base^(-2i/D)``. Rotating both queries and keys makes ``q·k`` depend only on the
     distance between their positions. Angles, cos and sin are computed in float64 (as
-    :func:`sinusoidal_table` does) and rounded once, to the input's dtype.
+    :func:`sinusoidal_table` does) and rounded once, to the input's dtype. ``scaling`` (None: plain
+    RoPE) rescales the frequencies, e.g. Llama 3's rule (:func:`check_rope_scaling`).
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim = _check_even("head_dim", head_dim)
         self.base = _check_base(base)
+        self.scaling = check_rope_scaling(scaling)
         inv_freq = self.base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        inv_freq = scale_inv_freq(inv_freq, self.scaling)
         # (D/2,) float32, for inspection and to follow the module's device; the angles recompute
         # the frequencies in float64.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -151,7 +219,7 @@ class RotaryEmbedding(nn.Module):
         device = self.inv_freq.device
         device = torch.device("cpu") if device.type == "mps" else device
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
-        inv_freq = self.base ** -exponents                                   # (D/2,), float64
+        inv_freq = scale_inv_freq(self.base ** -exponents, self.scaling)    # (D/2,), float64
         return torch.outer(positions.to(device, torch.float64), inv_freq)    # (P, D/2)
 
     def angles(self, positions: Tensor | Sequence[int] | int) -> Tensor:
@@ -204,4 +272,5 @@ class RotaryEmbedding(nn.Module):
         return x * cos + rotate_half(x) * sin                      # (..., T, D)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base:g}"
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        return f"head_dim={self.head_dim}, base={self.base:g}{scaling}"
