@@ -20,7 +20,12 @@ Checkpoints (one safetensors file, written atomically, resumable bit for bit on 
 :mod:`lib.checkpoint`; the configs and the :class:`History` are :mod:`lib.config`.
 
 Progress bars: ``progress=True`` shows a ``tqdm.auto`` bar. Notebooks checked by nbval either pass
-``progress=False`` or put the call in a cell marked ``# NBVAL_IGNORE_OUTPUT``.
+``progress=False`` or put the call in a cell tagged ``nbval-ignore-output``.
+
+Data-parallel training: started by ``torchrun`` with ``torch.distributed`` initialised, ``train``
+wraps the model in ``DistributedDataParallel``. Every process draws the same global batch of
+``config.batch_size`` windows and trains on its own slice of it, so N processes compute the same
+run as one process (to float rounding); only process 0 shows progress and writes checkpoints.
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ from lib.config import History, TrainConfig
 from lib.data import get_batch
 
 # TrainConfig and History are re-exported: chapters import them from here, next to train.
-__all__ = ["TrainConfig", "History", "lr_at", "configure_optimizer", "evaluate", "train"]
+__all__ = ["TrainConfig", "History", "lr_at", "configure_optimizer", "distributed_rank_and_size", "evaluate",
+           "train"]
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -76,8 +82,22 @@ def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.device.type == "cuda" for p in params)  # one kernel per step on CUDA
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
+    if all(p.device.type == "cuda" for p in params):
+        kernel = {"fused": True}  # one kernel per step on CUDA
+    elif all(p.device.type == "cpu" for p in params):
+        kernel = {"foreach": True}  # each operation over all tensors at once: same numbers, less overhead
+    else:
+        kernel = {}
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **kernel)
+
+
+def distributed_rank_and_size() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process under ``torch.distributed``; ``(0, 1)`` when it is not
+    initialised (a plain single-process run)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -141,10 +161,15 @@ def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_leng
         model.train(was_training)
 
 
-def _split(losses: list[torch.Tensor]) -> Iterator[float]:
-    """Move a list of 0-d device tensors to Python floats with a single synchronisation."""
+def _split(losses: list[torch.Tensor], world_size: int = 1) -> Iterator[float]:
+    """Move a list of 0-d device tensors to Python floats with a single synchronisation; with
+    several processes, each value becomes the mean over the processes (one all-reduce)."""
     if losses:
-        yield from torch.stack(losses).float().cpu().tolist()
+        values = torch.stack(losses).float()
+        if world_size > 1:
+            torch.distributed.all_reduce(values)  # sum over processes
+            values = values / world_size
+        yield from values.cpu().tolist()
 
 
 def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | None, config: TrainConfig,
@@ -157,6 +182,11 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
     every evaluation and when the run stops; ``resume=True`` continues from it (the history then
     covers the whole run). ``stop_at`` ends this session after that many steps while keeping the
     schedule of ``config.max_steps``, so a long run can be split into sessions.
+
+    Under ``torch.distributed`` (launched by ``torchrun``), ``config.batch_size`` is the global batch:
+    it must divide by the number of processes, each of which trains on its slice; gradients are
+    averaged by ``DistributedDataParallel``, the recorded batch losses over processes. Every process
+    returns the same history; only rank 0 shows progress and writes the checkpoint.
     """
     check_type("model", model, nn.Module, "torch.nn.Module")
     check_type("config", config, TrainConfig, "TrainConfig")
@@ -174,6 +204,11 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
         raise ValueError("resume=True needs a checkpoint_path to resume from")
     check_bool("progress", progress)
     check_int("stop_at", stop_at, maximum=config.max_steps, optional=True)
+    rank, world_size = distributed_rank_and_size()
+    if config.batch_size % world_size:
+        raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the number of "
+                         f"processes ({world_size}): each trains on an equal slice of the batch")
+    local_batch = config.batch_size // world_size
 
     if config.device is not None:
         model.to(config.device)
@@ -188,15 +223,22 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
     if start > end:
         raise ValueError(f"stop_at={stop_at} is before the checkpoint's step {start}")
 
-    forward = torch.compile(model) if config.compile and device.type == "cuda" else model
+    forward = model
+    if world_size > 1:  # gradients averaged over processes during backward
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                          broadcast_buffers=False)
+    if config.compile and device.type == "cuda":
+        forward = torch.compile(forward)
     params = [p for p in model.parameters() if p.requires_grad]
     clip = config.grad_clip if config.grad_clip is not None else float("inf")
     pending_loss: list[torch.Tensor] = []
     pending_norm: list[torch.Tensor] = []
 
     def flush() -> None:
-        history.batch_loss.extend(_split(pending_loss))
-        history.grad_norm.extend(_split(pending_norm))
+        history.batch_loss.extend(_split(pending_loss, world_size))
+        history.grad_norm.extend(_split(pending_norm))  # the same in every process
         pending_loss.clear()
         pending_norm.clear()
         if history.batch_loss and not math.isfinite(history.batch_loss[-1]):
@@ -216,8 +258,11 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
 
     def save(step: int) -> None:
         if checkpoint_path is not None:
-            save_checkpoint(checkpoint_path, model, optimizer, step=step, train_config=config,
-                            history=history, rng=rng_state(generator, device))
+            if rank == 0:
+                save_checkpoint(checkpoint_path, model, optimizer, step=step, train_config=config,
+                                history=history, rng=rng_state(generator, device))
+            if world_size > 1:
+                torch.distributed.barrier()  # the file is complete before any process goes on
 
     with warnings.catch_warnings():
         # In a Jupyter kernel without ipywidgets, tqdm.auto warns (on stderr) and falls back to a text
@@ -225,7 +270,8 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
         warnings.filterwarnings("ignore", message="IProgress not found")
         from tqdm.auto import tqdm
 
-    bar = tqdm(total=config.max_steps, initial=start, disable=not progress, desc="training", unit="step")
+    bar = tqdm(total=config.max_steps, initial=start, disable=not progress or rank != 0, desc="training",
+               unit="step")
     model.train()
     try:
         if not history.step:  # a fresh run: measure the untrained model first
@@ -237,6 +283,8 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
                 group["lr"] = lr
             x, y = get_batch(train_data, config.batch_size, config.context_length, generator=generator,
                              device=device)  # (B, T) each
+            if world_size > 1:  # this process's slice of the global batch
+                x, y = x[rank * local_batch:(rank + 1) * local_batch], y[rank * local_batch:(rank + 1) * local_batch]
             with _autocast(device, config.amp):
                 loss = _loss_of(forward(x, y))
             loss.backward()
