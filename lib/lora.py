@@ -1,0 +1,169 @@
+"""Low-rank adaptation (LoRA): fine-tune a few small matrices beside frozen weights.
+
+A weight matrix ``W (out, in)`` stays frozen; beside it sit two trainable matrices, ``A (r, in)`` and
+``B (out, r)`` with a small rank ``r``, and the layer computes
+
+    y = x W^T + b + (alpha / r) * x A^T B^T
+
+``B`` starts at zero, so a freshly wrapped model computes exactly what it did before. Training
+updates only ``A`` and ``B``: ``r * (in + out)`` numbers instead of ``in * out``. Afterwards the
+update can be folded into the weight, ``W + (alpha / r) B A``, leaving a plain ``nn.Linear`` that
+costs nothing extra at inference (:func:`merge_lora`).
+
+- :class:`LoRALinear`: the wrapper around one ``nn.Linear``.
+- :func:`apply_lora`: wrap the named linear layers of a model and freeze everything else.
+- :func:`merge_lora`: fold every adapter into its weight.
+- :func:`lora_state_dict`: the adapter tensors alone (what a LoRA checkpoint stores).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from lib.checks import check_int, check_number, check_type
+
+__all__ = ["ATTENTION", "FFN", "SWIGLU", "LoRALinear", "apply_lora", "merge_lora", "lora_state_dict"]
+
+# Names of lib's linear layers (the last part of a module's dotted name), for ``targets``: attention's
+# four projections, the two-matrix MLP's layers, SwiGLU's three.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
+FFN = ("fc_in", "fc_out")
+SWIGLU = ("w_gate", "w_up", "w_down")
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` (``base``) plus a trainable low-rank update ``(alpha / r) B A``.
+
+    ``lora_A`` ``(r, in_features)`` starts like an ``nn.Linear`` weight (Kaiming-uniform), ``lora_B``
+    ``(out_features, r)`` at zero, so the output starts equal to ``base(x)``. ``dropout`` applies to
+    the adapter's input only (training mode).
+    """
+
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0) -> None:
+        super().__init__()
+        check_type("base", base, nn.Linear, "torch.nn.Linear")
+        self.r = check_int("r", r)
+        if r > min(base.in_features, base.out_features):
+            raise ValueError(f"r must be <= min(in_features, out_features) = "
+                             f"{min(base.in_features, base.out_features)}, got {r}")
+        self.alpha = check_number("alpha", alpha, low=0, low_open=True)
+        check_number("dropout", dropout, 0, 1, high_open=True)
+        self.scaling = self.alpha / self.r
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **factory))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default initialisation
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def delta_weight(self) -> torch.Tensor:
+        """The update the adapter adds to the weight: ``(alpha / r) B A``, shape ``(out, in)``."""
+        return self.scaling * (self.lora_B @ self.lora_A)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = self.dropout(x) @ self.lora_A.T @ self.lora_B.T  # (…, in) -> (…, r) -> (…, out)
+        return self.base(x) + self.scaling * update
+
+    def merged(self) -> nn.Linear:
+        """A plain ``nn.Linear`` computing the same function: weight ``W + (alpha / r) B A``."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.base.bias is not None,
+                           device=self.base.weight.device, dtype=self.base.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.base.weight + self.delta_weight())
+            if self.base.bias is not None:
+                linear.bias.copy_(self.base.bias)
+        linear.requires_grad_(False)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, alpha={self.alpha:g}"
+
+
+def _check_targets(targets: object) -> tuple[str, ...]:
+    if isinstance(targets, str) or not isinstance(targets, Iterable):
+        raise TypeError(f"targets must be a list or tuple of layer names such as {ATTENTION}, "
+                        f"got {targets!r}")
+    targets = tuple(targets)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"targets must be a non-empty list of layer names such as {ATTENTION}, got {targets!r}")
+    return targets
+
+
+def apply_lora(model: nn.Module, targets: Iterable[str], r: int = 8, alpha: float = 16.0,
+               dropout: float = 0.0) -> list[str]:
+    """Wrap every ``nn.Linear`` whose name ends in one of ``targets`` in a :class:`LoRALinear` (in
+    place), freeze every other parameter, and return the wrapped modules' names.
+
+    A target is the last part of a module name (``"q_proj"``; see :data:`ATTENTION`, :data:`FFN`, :data:`SWIGLU`)
+    or a longer dotted tail (``"blocks.0.attn.q_proj"``). A target that matches no linear layer, a
+    match that is not an ``nn.Linear``, a layer whose weight is shared with another module (a tied
+    output head) or a model that already has adapters raises a ValueError.
+    """
+    check_type("model", model, nn.Module, "torch.nn.Module")
+    targets = _check_targets(targets)
+    check_int("r", r)
+    check_number("alpha", alpha, low=0, low_open=True)
+    check_number("dropout", dropout, 0, 1, high_open=True)
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("model already has LoRA adapters (call merge_lora first to fold them in)")
+    names = [name for name, _ in model.named_modules()]
+    chosen: dict[str, str] = {}
+    for target in targets:
+        found = [n for n in names if n == target or n.endswith("." + target)]
+        if not found:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ValueError(f"target {target!r} matches no layer of the model; its linear layers are named {linear}")
+        for n in found:
+            chosen[n] = target
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    for name, target in chosen.items():
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"target {target!r} matches {name!r}, a {type(module).__name__}, not an nn.Linear")
+        if counts[id(module.weight)] > 1:
+            raise ValueError(f"{name!r} shares its weight with another module (a tied head?); "
+                             f"an adapter there would change both")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in chosen:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), r=r, alpha=alpha, dropout=dropout))
+    return sorted(chosen)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace every :class:`LoRALinear` in ``model`` by the plain ``nn.Linear`` with the update folded
+    in (same outputs, no extra cost); returns ``model``. Parameters stay frozen (``requires_grad`` is
+    not restored). A model without adapters raises a ValueError."""
+    check_type("model", model, nn.Module, "torch.nn.Module")
+    wrapped = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if not wrapped:
+        raise ValueError("model has no LoRA adapters to merge (apply_lora adds them)")
+    for name in wrapped:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, getattr(parent, attr).merged())
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors (``…lora_A``, ``…lora_B``) of ``model``: all a LoRA checkpoint needs to
+    store besides the base model it adapts."""
+    check_type("model", model, nn.Module, "torch.nn.Module")
+    return {name: t for name, t in model.state_dict().items() if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
