@@ -7,7 +7,7 @@
   weighted sum); returns the attention weights too, for plots.
 - :class:`KVCache`: the keys and values of the tokens generated so far, for one layer.
 - :class:`MultiHeadAttention`: projections to heads, optional rotary embedding, grouped-query heads
-  (``n_kv_heads < n_heads``), an optional sliding window, and a fast path through
+  (``n_kv_heads < n_heads``), an optional sliding window (with attention sinks), and a fast path through
   ``torch.nn.functional.scaled_dot_product_attention`` when the weights are not needed.
 
 Shapes: B batch, T queries, T_k keys, C = d_model, H heads, H_kv key/value heads, D = C / H.
@@ -20,26 +20,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lib.checks import check_divisible, check_int, check_number
+from lib.checks import check_bool, check_divisible, check_int, check_number
+from lib.norms import RMSNorm
 
 
 def attention_mask(T_q: int, T_k: int, window: int | None = None,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+                   device: torch.device | str | None = None, sinks: int = 0) -> torch.Tensor:
     """Bool mask ``(T_q, T_k)``, True where query i may attend to key j.
 
     The queries are the *last* ``T_q`` of the ``T_k`` positions (query i sits at position
     ``T_k - T_q + i``), which is the situation of cached decoding; ``T_q == T_k`` is the usual
     causal case. A query sees the keys at its own position and before; with ``window=w`` only the
-    ``w`` most recent of them (itself included).
+    ``w`` most recent of them (itself included), plus the first ``sinks`` positions of the
+    sequence (attention sinks, StreamingLLM), which stay visible however old they are.
     """
     check_int("T_k", T_k, minimum=0)
     check_int("T_q", T_q, minimum=0, maximum=T_k)
     check_int("window", window, optional=True)
+    check_int("sinks", sinks, minimum=0)
     q_pos = torch.arange(T_k - T_q, T_k, device=device)[:, None]  # (T_q, 1)
     k_pos = torch.arange(T_k, device=device)[None, :]  # (1, T_k)
     allowed = k_pos <= q_pos  # no peeking at the future
     if window is not None:
-        allowed = allowed & (q_pos - k_pos < window)  # and nothing older than the window
+        recent_or_sink = (q_pos - k_pos < window) | (k_pos < sinks)
+        allowed = allowed & recent_or_sink  # nothing older than the window, except the sinks
     return allowed
 
 
@@ -140,7 +144,10 @@ class MultiHeadAttention(nn.Module):
     multi-head attention, 1 is multi-query attention, anything between (dividing ``n_heads``) is
     grouped-query attention. ``rope`` is a module ``rope(x, offset)`` that rotates ``(B, H, T, D)``
     queries and keys (e.g. :class:`lib.positional.RotaryEmbedding`). ``window=w`` lets each token see
-    only the ``w`` most recent positions, itself included.
+    only the ``w`` most recent positions, itself included; ``sinks=s`` adds the first ``s``
+    positions of the sequence to every window (attention sinks; no effect without a window). ``qk_norm=True`` (QK-norm) applies an
+    RMSNorm over the head dimension to every query and key head (gains shared across heads, one
+    for queries and one for keys) before RoPE and the scores, which bounds the size of the scores.
 
     ``forward`` uses ``F.scaled_dot_product_attention`` (fused kernels) unless the weights are
     requested or ``self.fast`` is False; then it runs :func:`scaled_dot_product_attention`.
@@ -148,7 +155,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
                  rope: nn.Module | None = None, bias: bool = False, dropout: float = 0.0,
-                 window: int | None = None) -> None:
+                 window: int | None = None, qk_norm: bool = False, sinks: int = 0) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         check_divisible("d_model", check_int("d_model", d_model), "n_heads", check_int("n_heads", n_heads))
@@ -159,6 +166,7 @@ class MultiHeadAttention(nn.Module):
                              f"d_model / n_heads = {head_dim}")
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.window = check_int("window", window, optional=True)
+        self.sinks = check_int("sinks", sinks, minimum=0)
         self.dropout = check_number("dropout", dropout, 0, 1, high_open=True)
         self.fast = True  # False forces the explicit path (used to compare the two)
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
@@ -166,6 +174,9 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.rope = rope
+        self.qk_norm = check_bool("qk_norm", qk_norm)
+        self.q_norm = RMSNorm(head_dim) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim) if qk_norm else None
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
@@ -183,6 +194,8 @@ class MultiHeadAttention(nn.Module):
         k = self.k_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, T, C) -> (B, H_kv, T, D)
         v = self.v_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, T, C) -> (B, H_kv, T, D)
         offset = 0 if kv_cache is None else kv_cache.length  # position of x's first token
+        if self.qk_norm:  # each head's query and key vectors rescaled to RMS 1 (times a gain)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
         if kv_cache is not None:
@@ -191,7 +204,7 @@ class MultiHeadAttention(nn.Module):
         k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H_kv, T_k, D) -> (B, H, T_k, D)
         p = self.dropout if self.training else 0.0
         if need_weights or not self.fast:
-            mask = attention_mask(T, T_k, self.window, device=x.device)  # (T, T_k)
+            mask = attention_mask(T, T_k, self.window, device=x.device, sinks=self.sinks)  # (T, T_k)
             y, weights = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=p)
         else:
             weights = None
@@ -200,11 +213,11 @@ class MultiHeadAttention(nn.Module):
             elif self.window is None and T == 1:  # one new token: every cached key is in its past
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
             else:
-                mask = attention_mask(T, T_k, self.window, device=x.device)  # (T, T_k)
+                mask = attention_mask(T, T_k, self.window, device=x.device, sinks=self.sinks)
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, H, T, D) -> (B, T, C): heads side by side
         return self.resid_dropout(self.out_proj(y)), (weights if need_weights else None)
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-                f"window={self.window}, fast={self.fast}")
+                f"window={self.window}, sinks={self.sinks}, qk_norm={self.qk_norm}, fast={self.fast}")

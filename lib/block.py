@@ -14,7 +14,7 @@ from torch import nn
 
 from lib.attention import KVCache, MultiHeadAttention
 from lib.config import GPTConfig
-from lib.feedforward import FeedForward, SwiGLU
+from lib.feedforward import MoE, FeedForward, SwiGLU
 from lib.norms import LayerNorm, RMSNorm
 from lib.positional import RotaryEmbedding
 
@@ -29,7 +29,11 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 def make_ffn(config: GPTConfig) -> nn.Module:
     """The feed-forward network the config asks for: SwiGLU for ``ffn='swiglu'``, otherwise the
-    two-matrix MLP with ``config.ffn`` as its activation ('gelu', 'gelu_tanh' or 'relu')."""
+    two-matrix MLP with ``config.ffn`` as its activation ('gelu', 'gelu_tanh' or 'relu'), or a
+    mixture of SwiGLU experts for ``ffn='moe'``."""
+    if config.ffn == "moe":
+        return MoE(config.d_model, config.d_ff, config.n_experts, config.moe_top_k, bias=config.bias,
+                   dropout=config.dropout)
     if config.ffn == "swiglu":
         return SwiGLU(config.d_model, config.d_ff, bias=config.bias, dropout=config.dropout)
     return FeedForward(config.d_model, config.d_ff, activation=config.ffn, bias=config.bias,
@@ -45,7 +49,8 @@ class TransformerBlock(nn.Module):
                 if config.positions == "rope" else None)
         self.norm1 = make_norm(config)
         self.attn = MultiHeadAttention(config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
-                                       bias=config.bias, dropout=config.dropout, window=config.window)
+                                       bias=config.bias, dropout=config.dropout, window=config.window,
+                                       qk_norm=config.qk_norm)
         self.norm2 = make_norm(config)
         self.ffn = make_ffn(config)
 

@@ -22,8 +22,13 @@ from lib.checks import check_bool, check_choice, check_divisible, check_int, che
 from lib.positional import check_rope_scaling
 
 NORMS = ("layernorm", "rmsnorm")
-FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
+FFNS = ("gelu", "gelu_tanh", "relu", "swiglu", "moe")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
+# Llama 3.2's RoPE scaling (the "rope_scaling" of its config.json): pre-trained at 8,192 positions,
+# slow frequencies divided by 32, served at 131,072 positions.
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
@@ -37,6 +42,12 @@ class GPTConfig:
     (``lib.feedforward.FeedForward``) with a different activation: 'gelu' (exact), 'gelu_tanh'
     (GPT-2's approximation), 'relu'. The fourth, 'swiglu', is a different architecture: the gated
     three-matrix network of Llama (``lib.feedforward.SwiGLU``).
+    The fifth, 'moe', is a mixture of experts (``lib.feedforward.MoE``): ``n_experts`` SwiGLU experts
+    of width ``d_ff`` each, of which a router picks ``moe_top_k`` per token; during training
+    :meth:`lib.model.GPT.forward` adds ``moe_aux_weight`` (None = 0.01; 0 switches balancing off)
+    times the sum of the layers' load-balancing losses to the loss it returns. The three fields
+    must be None unless ``ffn='moe'``.
+    ``qk_norm``: RMSNorm on every head's queries and keys before the scores (and before RoPE).
     ``positions``: 'learned' (GPT-2), 'sinusoidal', 'rope' (Llama) or 'none'.
     ``window``: sliding-window attention span (None = attend to the whole past).
     ``norm_eps``: the epsilon of every norm layer (None = the layer's default: 1e-5 for LayerNorm,
@@ -61,6 +72,10 @@ class GPTConfig:
     window: int | None = None
     norm_eps: float | None = None
     rope_scaling: dict | None = None
+    qk_norm: bool = False
+    n_experts: int | None = None
+    moe_top_k: int | None = None
+    moe_aux_weight: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
@@ -85,6 +100,24 @@ class GPTConfig:
         self.rope_scaling = check_rope_scaling(self.rope_scaling)
         if self.rope_scaling is not None and self.positions != "rope":
             raise ValueError(f"rope_scaling needs positions='rope', got positions={self.positions!r}")
+        check_bool("qk_norm", self.qk_norm)
+        if self.ffn == "moe":
+            check_int("n_experts", self.n_experts, minimum=2)
+            check_int("moe_top_k", self.moe_top_k, minimum=1, maximum=self.n_experts)
+            check_number("moe_aux_weight", self.moe_aux_weight, low=0, optional=True)
+        else:
+            for name in ("n_experts", "moe_top_k", "moe_aux_weight"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs ffn='moe', got ffn={self.ffn!r} and "
+                                     f"{name}={getattr(self, name)!r}")
+
+    @property
+    def aux_weight(self) -> float:
+        """The resolved weight of the MoE load-balancing loss: ``moe_aux_weight``, 0.01 when that is
+        None, and 0.0 for a model without experts."""
+        if self.ffn != "moe":
+            return 0.0
+        return 0.01 if self.moe_aux_weight is None else float(self.moe_aux_weight)
 
     @property
     def head_dim(self) -> int:
@@ -126,10 +159,13 @@ class GPTConfig:
 
     @classmethod
     def llama_style(cls, **overrides: Any) -> GPTConfig:
-        """Shaped like Llama 3.2 1B: RMSNorm, SwiGLU, RoPE (base 500,000), 8 key/value heads, no biases."""
+        """Shaped like Llama 3.2 1B: RMSNorm, SwiGLU, RoPE (base 500,000) with Llama 3's frequency
+        scaling (:data:`LLAMA3_ROPE_SCALING`, which is what makes the 131,072-token context work for
+        a model pre-trained at 8,192), 8 key/value heads, no biases."""
         config = cls(vocab_size=128256, context_length=131072, d_model=2048, n_layers=16, n_heads=32,
                      n_kv_heads=8, d_ff=8192, norm="rmsnorm", ffn="swiglu", positions="rope",
-                     rope_base=500000.0, tie_embeddings=True, dropout=0.0, bias=False)
+                     rope_base=500000.0, tie_embeddings=True, dropout=0.0, bias=False,
+                     rope_scaling=dict(LLAMA3_ROPE_SCALING))
         return replace(config, **overrides)
 
 
@@ -150,7 +186,9 @@ class TrainConfig:
 
     ``device=None`` trains wherever the model's parameters already are. ``amp`` uses bf16 autocast
     on CUDA (ignored elsewhere). ``compile`` wraps the model in ``torch.compile`` on CUDA (ignored on
-    CPU and MPS, where compiling costs more than it saves at the book's sizes).
+    CPU and MPS, where compiling costs more than it saves at the book's sizes). ``optimizer``:
+    'adamw', or 'muon' (Muon for the hidden matrices, AdamW for the rest; see
+    :func:`lib.training.configure_optimizer`).
     """
 
     max_steps: int = 1000
@@ -168,6 +206,7 @@ class TrainConfig:
     device: str | None = None
     amp: bool = True
     compile: bool = False
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "context_length", "eval_interval", "eval_batches"):
@@ -193,6 +232,7 @@ class TrainConfig:
                              f"e.g. 'cuda:0'), got {self.device!r}")
         check_bool("amp", self.amp)
         check_bool("compile", self.compile)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON-friendly data."""

@@ -97,3 +97,66 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.w_gate(x)) * self.w_up(x)  # (B, T, C) -> (B, T, d_ff)
         return self.dropout(self.w_down(h))  # (B, T, d_ff) -> (B, T, C)
+
+
+class MoE(nn.Module):
+    """A mixture of experts: ``n_experts`` SwiGLU networks and a router that sends each token to
+    ``top_k`` of them.
+
+    For a token ``x`` the router computes probabilities ``p = softmax(x W_r)`` over the experts,
+    keeps the ``top_k`` largest and renormalises them to sum to 1 (the gates ``g``); the output is
+    ``sum_i g_i * expert_i(x)`` over the chosen experts. Only the chosen experts run, so a token
+    uses ``top_k / n_experts`` of the experts' parameters.
+
+    After each forward pass two attributes describe the routing of that batch:
+    ``expert_counts`` ``(n_experts,)``, how many (token, slot) assignments each expert received,
+    and ``aux_loss``, the Switch Transformer load-balancing loss ``n_experts * sum_e f_e P_e``
+    (``f_e``: fraction of the assignments that went to expert ``e``; ``P_e``: mean router
+    probability of ``e``). It is 1 when routing is uniform and grows as the load concentrates;
+    :class:`lib.model.GPT` adds it, weighted, to the training loss.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, bias: bool = False,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        _check_sizes(d_model, d_ff, dropout)
+        self.n_experts = check_int("n_experts", n_experts, minimum=2)
+        self.top_k = check_int("top_k", top_k, minimum=1, maximum=n_experts)
+        self.d_model = d_model
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(d_model, d_ff, bias=bias) for _ in range(n_experts))
+        self.dropout = nn.Dropout(dropout)
+        self.aux_loss: torch.Tensor | None = None
+        self.expert_counts: torch.Tensor | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Routing of tokens ``x`` ``(N, C)``: ``(probs (N, E), experts (N, k), gates (N, k))``.
+
+        ``probs`` is the router's softmax over all experts (float32), ``experts`` the indices of the
+        ``k`` most probable, ``gates`` their probabilities renormalised to sum to 1 per token.
+        """
+        if x.dim() != 2 or x.size(-1) != self.d_model:
+            raise ValueError(f"x must have shape (N, d_model={self.d_model}), got {tuple(x.shape)}")
+        probs = torch.softmax(self.router(x).float(), dim=-1)  # (N, E)
+        top_p, experts = probs.topk(self.top_k, dim=-1)  # (N, k) each
+        return probs, experts, top_p / top_p.sum(dim=-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(-1) != self.d_model:
+            raise ValueError(f"x must have last dimension {self.d_model}, got shape {tuple(x.shape)}")
+        flat = x.reshape(-1, self.d_model)  # (N, C), N = B * T tokens
+        probs, experts, gates = self.route(flat)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (experts == e).nonzero(as_tuple=True)  # the tokens routed to expert e
+            if token.numel():
+                y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C), weighted by the gate
+                out.index_add_(0, token, y.to(out.dtype))
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
+        fraction = counts.float() / experts.numel()  # f_e, sums to 1
+        self.aux_loss = self.n_experts * (fraction * probs.mean(dim=0)).sum()
+        self.expert_counts = counts.detach()
+        return self.dropout(out.reshape(x.shape))
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, top_k={self.top_k}"

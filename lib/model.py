@@ -67,7 +67,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.blocks.named_parameters():
-            if name.endswith(RESIDUAL_PROJECTIONS):
+            if name.endswith(RESIDUAL_PROJECTIONS) or (".ffn.experts." in name
+                                                       and name.endswith(".w_down.weight")):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def _check_ids(self, ids: torch.Tensor, check_range: bool = False) -> None:
@@ -101,6 +102,11 @@ class GPT(nn.Module):
 
         With ``kv_caches`` (one :class:`KVCache` per block), ``ids`` continues the cached sequence:
         positions start at the cache length and the caches grow by ``T``.
+
+        Mixture of experts (``config.ffn='moe'``): in training mode the returned loss is the
+        cross-entropy plus ``config.aux_weight`` times the sum over layers of each layer's
+        load-balancing loss (``block.ffn.aux_loss``), so :func:`lib.training.train` optimises
+        both; in eval mode (``evaluate``, validation) it is the cross-entropy alone.
         """
         if kv_caches is not None and len(kv_caches) != len(self.blocks):
             raise ValueError(f"kv_caches must hold one KVCache per block ({len(self.blocks)}), "
@@ -111,6 +117,9 @@ class GPT(nn.Module):
             x, _ = block(x, kv_cache=None if kv_caches is None else kv_caches[i])
         logits = self.lm_head(self.norm_f(x))  # (B, T, C) -> (B, T, V)
         loss = None if targets is None else cross_entropy(logits, targets, fast=self.fast)
+        if loss is not None and self.training and self.config.aux_weight > 0:
+            aux = torch.stack([block.ffn.aux_loss for block in self.blocks]).sum()
+            loss = loss + self.config.aux_weight * aux
         return logits, loss
 
     @contextlib.contextmanager

@@ -39,8 +39,9 @@ import torch
 from torch import nn
 
 from lib.checkpoint import resume_training, rng_state, save_checkpoint
-from lib.checks import check_bool, check_id_range, check_int, check_number, check_token_ids, check_type
-from lib.config import History, TrainConfig
+from lib.checks import check_bool, check_choice, check_id_range, check_int, check_number, check_token_ids, check_type
+from lib.config import OPTIMIZERS, History, TrainConfig
+from lib.optim import MuonAdamW
 from lib.data import get_batch
 
 # TrainConfig and History are re-exported: chapters import them from here, next to train.
@@ -65,20 +66,38 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
-                        betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
+                        betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                        optimizer: str = "adamw") -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices (weights, embeddings) only.
 
     Parameters with two or more dimensions decay; vectors (biases, norm gains) do not: shrinking a
     norm's gain or a bias toward zero is not the regularisation we want. Frozen parameters are left
     out. A parameter shared by two modules (tied embeddings) appears once.
+
+    ``optimizer='muon'`` returns a :class:`lib.optim.MuonAdamW` instead: the weights of the
+    ``nn.Linear`` layers (the hidden matrices) take Muon steps, except a module named ``lm_head``
+    and any matrix shared with an ``nn.Embedding``; embeddings, the head, norm gains and biases take
+    AdamW steps as above. Both use ``lr`` and ``weight_decay``.
     """
     check_type("model", model, nn.Module, "torch.nn.Module")
     check_number("lr", lr, low=0, low_open=True)
     check_number("weight_decay", weight_decay, low=0)
     check_number("eps", eps, low=0, low_open=True)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
+    if optimizer == "muon":
+        embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        hidden = {id(m.weight) for name, m in model.named_modules()
+                  if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head"
+                  and id(m.weight) not in embedded}
+        muon = [p for p in params if id(p) in hidden]
+        rest = [p for p in params if id(p) not in hidden]
+        groups = [{"params": muon, "use_muon": True, "weight_decay": weight_decay},
+                  {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+        return MuonAdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -213,7 +232,8 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
     if config.device is not None:
         model.to(config.device)
     device = _model_device(model)
-    optimizer = configure_optimizer(model, config.lr, config.weight_decay, config.betas)
+    optimizer = configure_optimizer(model, config.lr, config.weight_decay, config.betas,
+                                    optimizer=config.optimizer)
     generator = torch.Generator().manual_seed(config.seed)
     history = History()
     start = 0

@@ -1,0 +1,205 @@
+"""Chapter 12a's lib pieces: QK-norm, the mixture-of-experts feed-forward, Muon (lib.optim) and its use
+in lib.training.configure_optimizer / TrainConfig(optimizer='muon')."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lib.attention import MultiHeadAttention
+from lib.config import GPTConfig, TrainConfig
+from lib.feedforward import MoE, SwiGLU
+from lib.model import GPT
+from lib.optim import MuonAdamW, newton_schulz
+from lib.training import configure_optimizer, train
+
+
+# ---- QK-norm -------------------------------------------------------------------------------------
+
+def test_qk_norm_default_off_keeps_parameters():
+    plain = GPT(GPTConfig.tiny())
+    assert not any("q_norm" in n or "k_norm" in n for n, _ in plain.named_parameters())
+    normed = GPT(GPTConfig.tiny(qk_norm=True))
+    extra = normed.num_parameters() - plain.num_parameters()
+    assert extra == 4 * 2 * GPTConfig.tiny().head_dim  # one gain for q, one for k, per layer
+
+
+def test_qk_norm_matches_written_out_attention():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, qk_norm=True)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 16)
+    out, _ = attn(x)
+    q = attn.q_proj(x).view(2, 5, 4, 4).transpose(1, 2)
+    k = attn.k_proj(x).view(2, 5, 4, 4).transpose(1, 2)
+    v = attn.v_proj(x).view(2, 5, 4, 4).transpose(1, 2)
+    q = q / q.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * attn.q_norm.weight
+    k = k / k.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * attn.k_norm.weight
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = attn.out_proj(y.transpose(1, 2).reshape(2, 5, 16))
+    torch.testing.assert_close(out, expected)
+
+
+def test_qk_norm_bad_input():
+    with pytest.raises(ValueError, match="qk_norm"):
+        GPTConfig.tiny(qk_norm="yes")
+    with pytest.raises(ValueError, match="qk_norm"):
+        MultiHeadAttention(16, 4, qk_norm=1)
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------
+
+def _dense_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, weighted by a (N, E) gate matrix that is zero off the top k."""
+    flat = x.reshape(-1, x.size(-1))
+    probs = torch.softmax(moe.router(flat), dim=-1)
+    top_p, top_i = probs.topk(moe.top_k, dim=-1)
+    gates = torch.zeros_like(probs).scatter(1, top_i, top_p / top_p.sum(-1, keepdim=True))
+    outs = torch.stack([expert(flat) for expert in moe.experts], dim=1)  # (N, E, C)
+    return (gates[:, :, None] * outs).sum(1).reshape(x.shape)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_moe_equals_dense_loop(top_k):
+    torch.manual_seed(0)
+    moe = MoE(8, 16, n_experts=4, top_k=top_k)
+    x = torch.randn(2, 7, 8)
+    torch.testing.assert_close(moe(x), _dense_moe(moe, x))
+    assert int(moe.expert_counts.sum()) == 2 * 7 * top_k
+
+
+def test_moe_all_experts_with_one_expert_width_is_gated_mean():
+    torch.manual_seed(1)
+    moe = MoE(8, 16, n_experts=3, top_k=3)
+    with torch.no_grad():
+        moe.router.weight.zero_()  # uniform router: gates 1/3 each
+    x = torch.randn(4, 8)[None]
+    expected = sum(expert(x) for expert in moe.experts) / 3
+    torch.testing.assert_close(moe(x), expected)
+    assert moe.aux_loss.item() == pytest.approx(1.0)  # uniform probabilities: the loss's minimum
+
+
+def test_moe_aux_loss_grows_with_imbalance():
+    torch.manual_seed(2)
+    moe = MoE(8, 16, n_experts=4, top_k=1)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 5.0  # expert 0 wins for inputs with a positive feature sum
+    x = torch.rand(1, 32, 8)
+    moe(x)
+    assert moe.expert_counts.tolist() == [32, 0, 0, 0]
+    assert moe.aux_loss.item() > 3.5
+    moe.aux_loss.backward()
+    assert moe.router.weight.grad.abs().sum() > 0  # gradient reaches the router through P_e
+
+
+def test_gpt_moe_training_loss_adds_aux():
+    torch.manual_seed(0)
+    config = GPTConfig.tiny(ffn="moe", n_experts=4, moe_top_k=2, d_ff=64, n_layers=2, moe_aux_weight=0.5)
+    model = GPT(config)
+    ids = torch.randint(0, 65, (2, 12))
+    model.eval()
+    _, ce = model(ids, ids)
+    model.train()
+    _, total = model(ids, ids)
+    aux = sum(block.ffn.aux_loss for block in model.blocks)
+    torch.testing.assert_close(total, ce + 0.5 * aux)
+    assert GPTConfig.tiny(ffn="moe", n_experts=4, moe_top_k=1).aux_weight == 0.01
+    assert GPTConfig.tiny().aux_weight == 0.0
+
+
+def test_moe_bad_input():
+    with pytest.raises(ValueError, match="n_experts"):
+        GPTConfig.tiny(ffn="moe", moe_top_k=1)
+    with pytest.raises(ValueError, match="n_experts"):
+        GPTConfig.tiny(ffn="moe", n_experts=1, moe_top_k=1)
+    with pytest.raises(ValueError, match="moe_top_k"):
+        GPTConfig.tiny(ffn="moe", n_experts=4, moe_top_k=5)
+    with pytest.raises(ValueError, match="moe_aux_weight"):
+        GPTConfig.tiny(ffn="moe", n_experts=4, moe_top_k=1, moe_aux_weight=-1.0)
+    with pytest.raises(ValueError, match="n_experts"):
+        GPTConfig.tiny(n_experts=4)  # experts without ffn='moe'
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(8, 16, n_experts=2, top_k=3)
+    with pytest.raises(ValueError, match="x"):
+        MoE(8, 16, n_experts=2, top_k=1)(torch.randn(3, 5))
+
+
+def test_moe_expert_is_swiglu():
+    moe = MoE(8, 16, n_experts=2, top_k=1)
+    assert all(isinstance(e, SwiGLU) for e in moe.experts)
+
+
+# ---- Muon ----------------------------------------------------------------------------------------
+
+def test_newton_schulz_pushes_singular_values_towards_one():
+    torch.manual_seed(0)
+    G = torch.randn(16, 32) @ torch.diag(torch.logspace(-2, 1, 32))
+    s = torch.linalg.svdvals(newton_schulz(G).float())
+    assert s.min() > 0.3 and s.max() < 1.3
+    assert newton_schulz(torch.randn(32, 16)).shape == (32, 16)
+
+
+def test_muon_groups_match_torch_optimizers():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 12))
+    b = torch.nn.Parameter(torch.randn(12))
+    w_ref, b_ref = (torch.nn.Parameter(t.detach().clone()) for t in (w, b))
+    ours = MuonAdamW([{"params": [w], "use_muon": True}, {"params": [b]}], lr=0.02, weight_decay=0.1)
+    muon = torch.optim.Muon([w_ref], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([b_ref], lr=0.02, weight_decay=0.1, betas=(0.9, 0.95))
+    for _ in range(4):
+        gw, gb = torch.randn(8, 12), torch.randn(12)
+        w.grad, w_ref.grad, b.grad, b_ref.grad = gw, gw.clone(), gb, gb.clone()
+        ours.step()
+        muon.step()
+        adamw.step()
+    torch.testing.assert_close(w, w_ref)
+    torch.testing.assert_close(b, b_ref)
+
+
+def test_configure_optimizer_muon_groups():
+    model = GPT(GPTConfig.tiny(n_layers=1, tie_embeddings=False))
+    opt = configure_optimizer(model, 1e-3, 0.1, optimizer="muon")
+    assert isinstance(opt, MuonAdamW)
+    muon_ids = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+    assert id(model.lm_head.weight) not in muon_ids and id(model.tok_emb.weight) not in muon_ids
+    assert id(model.blocks[0].attn.q_proj.weight) in muon_ids
+    assert id(model.blocks[0].ffn.fc_in.weight) in muon_ids
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    assert n == len(list(model.parameters()))
+    assert isinstance(configure_optimizer(model, 1e-3, 0.1), torch.optim.AdamW)
+
+
+def test_train_with_muon_runs_and_resumes(tmp_path):
+    torch.manual_seed(0)
+    data = torch.randint(0, 65, (2000,))
+    config = TrainConfig(max_steps=6, batch_size=4, context_length=16, warmup_steps=2, eval_interval=3,
+                         eval_batches=2, optimizer="muon")
+    model = GPT(GPTConfig.tiny(n_layers=1, d_model=32, n_heads=2, d_ff=64))
+    history = train(model, data, data, config, progress=False)
+    assert len(history.batch_loss) == 6 and all(torch.isfinite(torch.tensor(history.val_loss)))
+    path = tmp_path / "ckpt.safetensors"
+    a = GPT(GPTConfig.tiny(n_layers=1, d_model=32, n_heads=2, d_ff=64))
+    b = GPT(GPTConfig.tiny(n_layers=1, d_model=32, n_heads=2, d_ff=64))
+    b.load_state_dict(a.state_dict())
+    full = train(a, data, data, config, progress=False)
+    train(b, data, data, config, checkpoint_path=path, stop_at=3, progress=False)
+    resumed = train(b, data, data, config, checkpoint_path=path, resume=True, progress=False)
+    assert resumed.batch_loss == pytest.approx(full.batch_loss)
+
+
+def test_muon_bad_input():
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainConfig(optimizer="sgd")
+    with pytest.raises(ValueError, match="optimizer"):
+        configure_optimizer(GPT(GPTConfig.tiny(n_layers=1)), 1e-3, 0.1, optimizer="lion")
+    with pytest.raises(ValueError, match="G"):
+        newton_schulz(torch.randn(4))
+    with pytest.raises(ValueError, match="steps"):
+        newton_schulz(torch.randn(4, 4), steps=-1)
+    with pytest.raises(ValueError, match="params"):
+        MuonAdamW([{"params": [torch.nn.Parameter(torch.randn(3))], "use_muon": True}])
+    with pytest.raises(ValueError, match="momentum"):
+        MuonAdamW([{"params": [torch.nn.Parameter(torch.randn(3, 3))]}], momentum=1.5)
