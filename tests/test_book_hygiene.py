@@ -15,11 +15,22 @@ EXPECTED = [
     "06_multi_head_attention", "07_feed_forward", "08_transformer_block", "09_vocabulary_projection",
     "10_loss", "11_training", "12_modern",
 ]
+# Chapters split into section notebooks, listed under the chapter in _toc.yml (``sections:``).
+SECTIONS = {"12_modern": ["12a_architecture_training", "12b_long_context_inference"]}
 
 
 def _toc_files() -> list[str]:
+    """Every file of the TOC's parts in reading order: each chapter, then its sections (nested)."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    return [c["file"] for part in toc["parts"] for c in part["chapters"]]
+
+    def walk(entries: list[dict]) -> list[str]:
+        return [f for e in entries for f in [e["file"], *walk(e.get("sections", []))]]
+
+    return [f for part in toc["parts"] for f in walk(part["chapters"])]
+
+
+def _expected_files() -> list[str]:
+    return [f"chapters/{stem}" for chapter in EXPECTED for stem in [chapter, *SECTIONS.get(chapter, [])]]
 
 
 def _cells(path: Path) -> list[dict]:
@@ -32,12 +43,13 @@ def _source(cell: dict) -> str:
 
 
 def test_toc_lists_all_twelve_chapters_in_order():
-    assert _toc_files() == [f"chapters/{stem}" for stem in EXPECTED]
+    """The twelve chapters in order, each followed by its section notebooks, and nothing else."""
+    assert _toc_files() == _expected_files()
 
 
 def test_every_chapter_file_exists_once_and_is_in_toc():
     toc = set(_toc_files())
-    for stem in EXPECTED:
+    for stem in [f.removeprefix("chapters/") for f in _expected_files()]:
         found = [p for p in CHAPTERS.glob(f"{stem}.*") if p.suffix in (".ipynb", ".md")]
         assert len(found) == 1, f"{stem}: expected exactly one .ipynb or .md, found {found}"
     for path in CHAPTERS.iterdir():
@@ -105,7 +117,7 @@ def test_every_figure_file_is_written_by_a_notebook():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_citations_use_the_chapter_key_prefix(path: Path):
     """Per-chapter bibliographies need per-chapter key prefixes (tools/prefix_citations.py)."""
-    prefix = f"ch{path.name[:2]}-"
+    prefix = f"ch{path.name.split('_', 1)[0]}-"  # 05_rope -> ch05-, 12a_architecture_training -> ch12a-
     text = "\n".join(_source(c) for c in _cells(path) if c["cell_type"] == "markdown")
     for keys in re.findall(r"\{cite(?::[a-z]+)?\}`([^`]+)`", text):
         for key in keys.split(","):
