@@ -7,8 +7,8 @@
   weighted sum); returns the attention weights too, for plots.
 - :class:`KVCache`: the keys and values of the tokens generated so far, for one layer.
 - :class:`MultiHeadAttention`: projections to heads, optional rotary embedding, grouped-query heads
-  (``n_kv_heads < n_heads``), an optional sliding window (with attention sinks), and a fast path through
-  ``torch.nn.functional.scaled_dot_product_attention`` when the weights are not needed.
+  (``n_kv_heads < n_heads``), an optional sliding window (with attention sinks), and a fast path
+  through ``torch.nn.functional.scaled_dot_product_attention`` when the weights are not needed.
 
 Shapes: B batch, T queries, T_k keys, C = d_model, H heads, H_kv key/value heads, D = C / H.
 """
@@ -145,7 +145,8 @@ class MultiHeadAttention(nn.Module):
     grouped-query attention. ``rope`` is a module ``rope(x, offset)`` that rotates ``(B, H, T, D)``
     queries and keys (e.g. :class:`lib.positional.RotaryEmbedding`). ``window=w`` lets each token see
     only the ``w`` most recent positions, itself included; ``sinks=s`` adds the first ``s``
-    positions of the sequence to every window (attention sinks; no effect without a window). ``qk_norm=True`` (QK-norm) applies an
+    positions of the sequence to every window (attention sinks; no effect without a window).
+    ``qk_norm=True`` (QK-norm) applies an
     RMSNorm over the head dimension to every query and key head (gains shared across heads, one
     for queries and one for keys) before RoPE and the scores, which bounds the size of the scores.
 

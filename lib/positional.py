@@ -7,8 +7,10 @@ Attention on its own treats its input as a set; these modules give it order.
 - :class:`LearnedPositionalEmbedding`: one trained vector per position, added the same way (GPT-2).
   It knows only the positions it was built for.
 - :class:`RotaryEmbedding`: rotates queries and keys by position-dependent angles inside attention,
-  so that their dot product depends on relative position (RoPE, Llama). Optionally with Llama 3's
-  frequency scaling (:func:`llama3_inv_freq`), chosen by a ``rope_scaling`` dict.
+  so that their dot product depends on relative position (RoPE, Llama). Optionally with a
+  frequency scaling for longer contexts, chosen by a ``rope_scaling`` dict: position interpolation,
+  NTK-aware base scaling (:func:`ntk_inv_freq`), YaRN (:func:`yarn_inv_freq`) or Llama 3's rule
+  (:func:`llama3_inv_freq`).
 """
 from __future__ import annotations
 
@@ -121,16 +123,39 @@ class LearnedPositionalEmbedding(nn.Module):
         return f"context_length={self.context_length}, d_model={self.d_model}"
 
 
-ROPE_SCALING_TYPES = ("llama3",)
+ROPE_SCALING_TYPES = ("llama3", "linear", "ntk", "yarn")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Keys of each rule besides "rope_type": (required, optional with their defaults).
+_SCALING_KEYS = {
+    "llama3": (_LLAMA3_KEYS, {}),
+    "linear": (("factor",), {}),
+    "ntk": (("factor",), {}),
+    "yarn": (("factor", "original_max_position_embeddings"), {"beta_fast": 32.0, "beta_slow": 1.0}),
+}
+
+
+def _check_positive(key: str, value: object) -> float:
+    """``rope_scaling[key]`` as a finite float > 0, or a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"rope_scaling['{key}'] must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def check_rope_scaling(scaling: object) -> dict | None:
     """A RoPE scaling setting, validated and normalised (a new dict), or None for plain RoPE.
 
-    The one rule so far is Llama 3's: ``{"rope_type": "llama3", "factor": 32.0,
-    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``
-    (those are Llama 3.2's values); see :func:`llama3_inv_freq`.
+    ``rope_type`` picks the rule; every rule has a ``factor`` >= 1 (how many times longer the new
+    context is than the one the model was trained at):
+
+    - ``"linear"``: position interpolation (Chen et al. 2023), every frequency divided by ``factor``.
+    - ``"ntk"``: NTK-aware base scaling, the base raised so that the slowest frequency is divided
+      by ``factor`` and the fastest is kept (:func:`ntk_inv_freq`).
+    - ``"yarn"``: YaRN (Peng et al. 2023), needs ``original_max_position_embeddings``; optional
+      ``beta_fast`` (32) and ``beta_slow`` (1) bound the blend (:func:`yarn_inv_freq`), plus an
+      attention temperature (:func:`rope_attention_factor`).
+    - ``"llama3"``: Llama 3's rule, ``{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}`` (Llama 3.2's values); see
+      :func:`llama3_inv_freq`.
     """
     if scaling is None:
         return None
@@ -139,23 +164,24 @@ def check_rope_scaling(scaling: object) -> dict | None:
     rope_type = scaling.get("rope_type")
     if rope_type not in ROPE_SCALING_TYPES:
         raise ValueError(f"rope_scaling['rope_type'] must be one of {ROPE_SCALING_TYPES}, got {rope_type!r}")
-    expected = {"rope_type", *_LLAMA3_KEYS}
-    if set(scaling) != expected:
-        raise ValueError(f"rope_scaling of type 'llama3' needs exactly the keys {sorted(expected)}; "
-                         f"missing {sorted(expected - set(scaling))}, unknown {sorted(set(scaling) - expected)}")
+    required, optional = _SCALING_KEYS[rope_type]
+    allowed = {"rope_type", *required, *optional}
+    missing, unknown = set(required) - set(scaling), set(scaling) - allowed
+    if missing or unknown:
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs the keys {sorted(['rope_type', *required])} "
+                         f"(optional: {sorted(optional)}); missing {sorted(missing)}, unknown {sorted(unknown)}")
     out: dict = {"rope_type": rope_type}
-    for key in _LLAMA3_KEYS[:3]:
-        value = scaling[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"rope_scaling['{key}'] must be a finite number > 0, got {value!r}")
-        out[key] = float(value)
+    for key in (*required, *optional):
+        if key == "original_max_position_embeddings":
+            out[key] = _check_int(f"rope_scaling['{key}']", scaling[key], 1)
+        else:
+            out[key] = _check_positive(key, scaling.get(key, optional.get(key)))
     if out["factor"] < 1:
         raise ValueError(f"rope_scaling['factor'] must be >= 1 (it stretches wavelengths), got {out['factor']}")
-    if out["high_freq_factor"] <= out["low_freq_factor"]:
-        raise ValueError(f"rope_scaling['high_freq_factor'] must be > rope_scaling['low_freq_factor'], got "
-                         f"{out['high_freq_factor']} and {out['low_freq_factor']}")
-    key = "original_max_position_embeddings"
-    out[key] = _check_int(f"rope_scaling['{key}']", scaling[key], 1)
+    for low, high in (("low_freq_factor", "high_freq_factor"), ("beta_slow", "beta_fast")):
+        if low in out and out[high] <= out[low]:
+            raise ValueError(f"rope_scaling['{high}'] must be > rope_scaling['{low}'], got "
+                             f"{out[high]} and {out[low]}")
     return out
 
 
@@ -177,11 +203,58 @@ def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float, hig
     return torch.where(wavelength > L / low_freq_factor, inv_freq / factor, out)
 
 
+def ntk_inv_freq(inv_freq: Tensor, factor: float) -> Tensor:
+    """NTK-aware scaling: the frequencies of base ``base * factor^(D/(D-2))`` instead of ``base``.
+
+    With ``n = D/2`` frequencies ``inv_freq[i] = base^(-i/n)``, the new base multiplies frequency
+    ``i`` by ``factor^(-i/(n-1))``: the fastest pair (``i = 0``) keeps its frequency, the slowest
+    (``i = n-1``) is divided by exactly ``factor``, and those between are divided by a geometric
+    blend. Written on ``inv_freq`` directly, so the base need not be known. Same shape and dtype.
+    """
+    n = inv_freq.shape[-1]
+    i = torch.arange(n, dtype=inv_freq.dtype, device=inv_freq.device)
+    return inv_freq * factor ** (-i / max(n - 1, 1))
+
+
+def yarn_inv_freq(inv_freq: Tensor, factor: float, original_max_position_embeddings: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> Tensor:
+    """YaRN's "NTK-by-parts" frequencies (Peng et al. 2023), in the paper's form.
+
+    ``r = L / wavelength`` counts the turns a pair makes within the original context ``L``. Pairs
+    with ``r < beta_slow`` are interpolated (frequency divided by ``factor``), pairs with
+    ``r > beta_fast`` are kept, and between them the frequency blends the two with weight
+    ``(r - beta_slow) / (beta_fast - beta_slow)`` on the kept one. Llama 3's rule is this blend
+    with ``beta_slow = low_freq_factor`` and ``beta_fast = high_freq_factor``. Same shape and dtype.
+    """
+    turns = original_max_position_embeddings * inv_freq / (2 * math.pi)   # r, turns within L
+    keep = ((turns - beta_slow) / (beta_fast - beta_slow)).clamp(0, 1)     # 0 interpolate .. 1 keep
+    return (1 - keep) * inv_freq / factor + keep * inv_freq
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor by which a scaling rule multiplies cos and sin (so q·k by its square).
+
+    YaRN's temperature: ``0.1 * ln(factor) + 1``, which sharpens attention that longer contexts
+    would spread out; 1.0 for every other rule and for plain RoPE.
+    """
+    scaling = check_rope_scaling(scaling)
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    return 0.1 * math.log(scaling["factor"]) + 1.0
+
+
 def scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
     """``inv_freq`` under the scaling rule ``scaling`` names (see :func:`check_rope_scaling`); None: unchanged."""
     scaling = check_rope_scaling(scaling)
     if scaling is None:
         return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "ntk":
+        return ntk_inv_freq(inv_freq, scaling["factor"])
+    if rope_type == "yarn":
+        return yarn_inv_freq(inv_freq, **{k: v for k, v in scaling.items() if k != "rope_type"})
     return llama3_inv_freq(inv_freq, **{k: scaling[k] for k in _LLAMA3_KEYS})
 
 
@@ -199,7 +272,8 @@ class RotaryEmbedding(nn.Module):
     ``position * base^(-2i/D)``. Rotating both queries and keys makes ``q·k`` depend only on the
     distance between their positions. Angles, cos and sin are computed in float64 (as
     :func:`sinusoidal_table` does) and rounded once, to the input's dtype. ``scaling`` (None: plain
-    RoPE) rescales the frequencies, e.g. Llama 3's rule (:func:`check_rope_scaling`).
+    RoPE) rescales the frequencies, e.g. Llama 3's rule (:func:`check_rope_scaling`); YaRN also
+    multiplies cos and sin by :func:`rope_attention_factor`.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, scaling: dict | None = None) -> None:
@@ -207,6 +281,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = _check_even("head_dim", head_dim)
         self.base = _check_base(base)
         self.scaling = check_rope_scaling(scaling)
+        self.attention_factor = rope_attention_factor(self.scaling)  # 1.0 except for YaRN
         inv_freq = self.base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         inv_freq = scale_inv_freq(inv_freq, self.scaling)
         # (D/2,) float32, for inspection and to follow the module's device; the angles recompute
@@ -254,7 +329,10 @@ class RotaryEmbedding(nn.Module):
         angles = self._angles64(positions)             # (T, D/2), float64
         angles = torch.cat((angles, angles), dim=-1)   # (T, D): dims i and i + D/2 share an angle
         device = self.inv_freq.device if device is None else device
-        return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:  # YaRN's temperature: q·k scaled by its square
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(device, dtype), sin.to(device, dtype)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Rotate ``x`` of shape ``(B, H, T, D)`` (any ``(..., T, D)``) by positions ``offset … offset+T-1``."""

@@ -264,7 +264,7 @@ def test_gpt_config_new_fields():
     with pytest.raises(TypeError, match="rope_scaling must be None or a dict"):
         check_rope_scaling([("rope_type", "llama3")])
     with pytest.raises(ValueError, match=r"rope_scaling\['rope_type'\]"):
-        check_rope_scaling({**LLAMA3, "rope_type": "linear"})
+        check_rope_scaling({**LLAMA3, "rope_type": "dynamic"})
     with pytest.raises(ValueError, match=r"unknown \['extra'\]"):
         check_rope_scaling({**LLAMA3, "extra": 1})
     with pytest.raises(ValueError, match="high_freq_factor"):
