@@ -75,7 +75,8 @@ def make_readable(fig: Figure) -> None:
             text.set_fontsize(floor)
 
 
-_NAME = re.compile(r"^(?:[0-9]{2}|A[0-9])-[a-z0-9][a-z0-9-]*$")  # chapter 01-99 or appendix A1-A9
+# chapter 01-99, a chapter's section such as 12a, or appendix A1-A9
+_NAME = re.compile(r"^(?:[0-9]{2}[a-z]?|A[0-9])-[a-z0-9][a-z0-9-]*$")
 _FORMATS = ("svg", "png")
 
 
@@ -96,8 +97,8 @@ def save_figure(fig: Figure, name: str, fmt: str = "svg") -> None:
     if not isinstance(fig, Figure):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"name must look like 'NN-lowercase-words' (e.g. '04-attention', or 'A1-lora' "
-                         f"in the appendix), got {name!r}")
+        raise ValueError(f"name must look like 'NN-lowercase-words' (e.g. '04-attention', '12b-window' "
+                         f"for a section, or 'A1-lora' in the appendix), got {name!r}")
     if fmt not in _FORMATS:
         raise ValueError(f"fmt must be one of {_FORMATS}, got {fmt!r}")
     make_readable(fig)

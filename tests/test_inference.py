@@ -215,3 +215,11 @@ def test_speculative_accept_gives_the_target_distribution():
         speculative_accept(p, q, 4)
     with pytest.raises(ValueError, match="same size"):
         speculative_accept(p, q[:3], 0)
+
+
+def test_figure_names_may_carry_a_section_letter():
+    from lib import plotting
+    for good in ("12b-window", "12a-ladder", "04-attention", "A1-lora"):
+        assert plotting._NAME.match(good)
+    for bad in ("12B-window", "12ab-x", "1b-x", "12b_x"):
+        assert not plotting._NAME.match(bad)
