@@ -40,3 +40,16 @@ def test_cpu_profile_trains_a_few_steps():
 def test_profiles_reject_bad_arguments(make, kwargs, name):
     with pytest.raises((ValueError, TypeError), match=name):
         make(**kwargs)
+
+
+def test_gpu_profile_training_settings_run_on_the_cpu_where_amp_and_compile_are_ignored():
+    profile = gpu_profile(11, max_steps=200)
+    small_model = profile.model.__class__(**{**profile.model.to_dict(), "d_model": 24, "n_heads": 2,
+                                             "n_layers": 1, "d_ff": 48, "context_length": 16})
+    values = {**profile.train.to_dict(), "max_steps": 2, "warmup_steps": 1, "eval_interval": 2,
+              "eval_batches": 1, "batch_size": 2, "context_length": 16}
+    config = profile.train.__class__.from_dict(values)
+    assert config.amp and config.compile
+    data = torch.arange(500) % 11
+    history = train(GPT(small_model), data, None, config, progress=False)
+    assert len(history.batch_loss) == 2 and all(torch.isfinite(torch.tensor(history.batch_loss)))
