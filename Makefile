@@ -39,8 +39,10 @@ book: $(STAMP)
 	$(BIN)/python tools/check_build.py _build/html
 	@echo "Book built: open _build/html/index.html"
 
+# Two workers (CI has two cores); --dist loadfile keeps each notebook's cells in one worker and kernel.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
+	$(BIN)/python tools/warm_model_cache.py
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests $(NOTEBOOKS) --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 -p no:cacheprovider
 
 unit: $(STAMP)
@@ -55,7 +57,9 @@ execute: $(STAMP)
 	$(BIN)/python tools/execute_notebooks.py $(or $(NB),$(NOTEBOOKS))
 
 lock:
-	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' | sort -f > requirements-lock.txt
+	{ echo "# Exact versions the Makefile installs (CI and local builds). Regenerate with 'make lock'."; \
+	  $(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' | sort -f; } > requirements-lock.txt.tmp
+	mv requirements-lock.txt.tmp requirements-lock.txt
 
 clean:
 	rm -rf _build

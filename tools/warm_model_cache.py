@@ -1,0 +1,22 @@
+"""Train (or load) the book's shared tiny model once, before the tests run in parallel.
+
+`make test` runs the notebooks in two pytest-xdist workers. Several chapters load the tiny
+TinyShakespeare model from `lib.pretrained`; on a fresh cache the first load trains it (about two
+minutes on one CPU thread). Doing that here, once, keeps two workers from training the same model
+at the same time (each would get the same weights, at twice the cost).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lib.pretrained import tiny_shakespeare_run  # noqa: E402
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    run = tiny_shakespeare_run()
+    what = "trained" if run.trained else "found in the cache"
+    print(f"tiny model {what} ({time.perf_counter() - start:.0f} s): {run.path}")
