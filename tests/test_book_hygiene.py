@@ -17,6 +17,8 @@ EXPECTED = [
 ]
 # Chapters split into section notebooks, listed under the chapter in _toc.yml (``sections:``).
 SECTIONS = {"12_modern": ["12a_architecture_training", "12b_long_context_inference"]}
+# The appendix: the TOC's last part, captioned "Appendix", after the twelve chapters.
+APPENDIX = ["A1_real_weights", "A2_whole_model"]
 
 
 def _toc_files() -> list[str]:
@@ -30,7 +32,8 @@ def _toc_files() -> list[str]:
 
 
 def _expected_files() -> list[str]:
-    return [f"chapters/{stem}" for chapter in EXPECTED for stem in [chapter, *SECTIONS.get(chapter, [])]]
+    chapters = [f"chapters/{stem}" for chapter in EXPECTED for stem in [chapter, *SECTIONS.get(chapter, [])]]
+    return chapters + [f"chapters/{stem}" for stem in APPENDIX]
 
 
 def _cells(path: Path) -> list[dict]:
@@ -45,6 +48,12 @@ def _source(cell: dict) -> str:
 def test_toc_lists_all_twelve_chapters_in_order():
     """The twelve chapters in order, each followed by its section notebooks, and nothing else."""
     assert _toc_files() == _expected_files()
+
+
+def test_appendix_is_the_last_part():
+    last = yaml.safe_load((ROOT / "_toc.yml").read_text())["parts"][-1]
+    assert last["caption"] == "Appendix"
+    assert [c["file"] for c in last["chapters"]] == [f"chapters/{stem}" for stem in APPENDIX]
 
 
 def test_every_chapter_file_exists_once_and_is_in_toc():
