@@ -112,9 +112,11 @@ def tiny_shakespeare_run(device: str | torch.device = "cpu", train_config: Train
     ``train_config`` defaults to :data:`TINY_TRAIN_CONFIG` (its ``seed`` is replaced by ``seed``, which
     also seeds the weight initialisation). The model trains on ``device`` and comes back in eval mode.
     ``num_threads`` is the number of CPU threads torch uses while training (restored afterwards):
-    one by default, because on a machine shared with other jobs a second thread can make each step
-    several times slower instead of faster, and the weights then do not depend on how many cores the
-    machine has. ``None`` keeps torch's setting (faster on an idle multi-core machine).
+    one by default, so that the weights do not depend on how many cores the machine has: a matrix
+    product split over another number of threads adds its partial sums in another order, and every
+    trained-model number the chapters show would change with it. On an idle 2-core machine two
+    threads train about 1.6x faster (docs/benchmarks.md); one thread costs that once per cache.
+    ``None`` keeps torch's setting.
     """
     if isinstance(device, torch.device):
         device = str(device)
