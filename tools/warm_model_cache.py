@@ -1,9 +1,9 @@
 """Train (or load) the book's shared tiny model once, before the tests run in parallel.
 
-`make test` runs the notebooks in two pytest-xdist workers. Several chapters load the tiny
-TinyShakespeare model from `lib.pretrained`; on a fresh cache the first load trains it (about two
-minutes on one CPU thread). Doing that here, once, keeps two workers from training the same model
-at the same time (each would get the same weights, at twice the cost).
+Several chapters load the tiny TinyShakespeare model from `lib.pretrained`; on a fresh cache the
+first load trains it (about two minutes on one CPU thread), inside whichever chapter runs first.
+Doing it here, before the tests, keeps that one-time cost out of any chapter's cell timings and
+says plainly in the log what is happening.
 """
 from __future__ import annotations
 
