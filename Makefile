@@ -39,11 +39,13 @@ book: $(STAMP)
 	$(BIN)/python tools/check_build.py _build/html
 	@echo "Book built: open _build/html/index.html"
 
-# One process: two notebooks at once on CI's two cores, each with torch's two threads, oversubscribe
-# the CPU badly enough that a training cell ran past nbval's 600 s cell timeout.
+# Unit tests in two workers (small tensors, one thread each); the chapters one at a time: two
+# notebooks at once on CI's two cores, each with torch's two threads, oversubscribe the CPU badly
+# enough that a training cell ran past nbval's 600 s cell timeout.
 test: $(STAMP)
 	$(BIN)/python tools/warm_model_cache.py
-	$(BIN)/python -m pytest tests $(NOTEBOOKS) --nbval --nbval-current-env \
+	$(BIN)/python -m pytest -n 2 tests -p no:cacheprovider
+	$(BIN)/python -m pytest $(NOTEBOOKS) --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 -p no:cacheprovider
 
 unit: $(STAMP)
