@@ -16,7 +16,8 @@ then runs nanoGPT's documented CPU configuration for each iteration count N::
 data are unchanged) with ``OMP_NUM_THREADS`` set to ``--threads``, timing the whole process.
 
 The book's CPU profile (:func:`lib.profiles.cpu_profile`) then trains for that same wall time:
-a short calibration (not counted) measures the seconds per ``lib.training.train`` step, and the run
+a short calibration (not counted, after a 10-step warm-up) measures the seconds per
+``lib.training.train`` step, and the run
 gets as many steps as fit, so its warmup-and-cosine schedule ends when the time does. Both final
 models are scored the same way: mean cross-entropy over the whole validation split (the last 10% of
 the text, identical for both) cut into windows of 64 characters, nanoGPT's block size.
@@ -112,8 +113,10 @@ def train_book(seconds: float, seed: int, train_ids, val_ids, vocab_size: int) -
     calibration = dataclasses.replace(profile.train, max_steps=30, warmup_steps=5, eval_interval=30,
                                       eval_batches=1)
     torch.manual_seed(seed)
-    start = time.perf_counter()
-    train(GPT(profile.model), train_ids, None, calibration, progress=False)
+    model = GPT(profile.model)
+    train(model, train_ids, None, dataclasses.replace(calibration, max_steps=10), progress=False)  # warm
+    start = time.perf_counter()  # (a first call in a process runs slower: allocations, thread start-up)
+    train(model, train_ids, None, calibration, progress=False)
     per_step = (time.perf_counter() - start) / 30
     steps = max(100, int(seconds / per_step))
     config = dataclasses.replace(profile.train, max_steps=steps, eval_interval=steps, eval_batches=4,

@@ -103,6 +103,33 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return mixing @ v, weights  # (..., T_q, D), (..., T_q, T_k)
 
 
+# Up to this many positions, MultiHeadAttention on a CPU uses causal_attention_bmm rather than
+# torch's fused kernel, which is slower for short sequences (benchmarks/cpu_kernels.py).
+SHORT_SEQUENCE = 128
+
+
+def causal_attention_bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention ``(B, H, T, D)`` for q, k, v of one shape, in three batched kernels.
+
+    The same formula as :func:`scaled_dot_product_attention` with ``causal=True``: the scores,
+    their scaling and the mask (``-inf`` above the diagonal, added) are one ``baddbmm``, then
+    softmax, then the weighted sum. On a CPU this beats ``F.scaled_dot_product_attention`` for
+    sequences of up to about ``SHORT_SEQUENCE`` positions, which is what a small model trains on.
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must have one shape (B, H, T, D); got q={tuple(q.shape)}, "
+                         f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    B, H, T, D = q.shape
+    future = torch.full((T, T), float("-inf"), device=q.device, dtype=q.dtype).triu(1)  # (T, T)
+    scores = torch.baddbmm(future, q.reshape(B * H, T, D), k.reshape(B * H, T, D).transpose(1, 2),
+                           alpha=1 / math.sqrt(D))  # (B*H, T, T): q k^T / sqrt(D), future -inf
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.bmm(weights, v.reshape(B * H, T, D)).view(B, H, T, D)
+
+
 class KVCache:
     """Keys and values of every token processed so far, for one attention layer.
 
@@ -150,8 +177,10 @@ class MultiHeadAttention(nn.Module):
     RMSNorm over the head dimension to every query and key head (gains shared across heads, one
     for queries and one for keys) before RoPE and the scores, which bounds the size of the scores.
 
-    ``forward`` uses ``F.scaled_dot_product_attention`` (fused kernels) unless the weights are
-    requested or ``self.fast`` is False; then it runs :func:`scaled_dot_product_attention`.
+    ``forward`` with ``self.fast`` (the default) computes q, k and v with one matmul and uses
+    ``F.scaled_dot_product_attention`` (fused kernels), or :func:`causal_attention_bmm` for short
+    sequences on a CPU; ``self.fast = False`` runs the three projections one by one and
+    :func:`scaled_dot_product_attention`, the formula written out, which also returns the weights.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
@@ -191,25 +220,28 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"x must have shape (B, T, d_model={self.d_model}), got {tuple(x.shape)}")
         B, T, _ = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
-        k = self.k_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, T, C) -> (B, H_kv, T, D)
-        v = self.v_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, T, C) -> (B, H_kv, T, D)
         offset = 0 if kv_cache is None else kv_cache.length  # position of x's first token
+        explicit = need_weights or not self.fast  # the written-out path, which returns the weights
+        qkv = self._qkv(x, stacked=not explicit)  # (B, H + 2 H_kv, T, D): queries, keys, values
+        qk, v = qkv.split([H + H_kv, H_kv], dim=1)  # (B, H + H_kv, T, D), (B, H_kv, T, D)
         if self.qk_norm:  # each head's query and key vectors rescaled to RMS 1 (times a gain)
-            q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         if self.rope is not None:
-            q, k = self.rope(q, offset), self.rope(k, offset)
+            qk = self.rope(qk, offset)  # queries and keys rotated in one call
+        q, k = qk.split([H, H_kv], dim=1)  # (B, H, T, D), (B, H_kv, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, H_kv, T_k, D), T_k = offset + T
         T_k = k.size(2)
         k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H_kv, T_k, D) -> (B, H, T_k, D)
         p = self.dropout if self.training else 0.0
-        if need_weights or not self.fast:
+        if explicit:
             mask = attention_mask(T, T_k, self.window, device=x.device, sinks=self.sinks)  # (T, T_k)
             y, weights = scaled_dot_product_attention(q, k, v, mask=mask, dropout_p=p)
         else:
             weights = None
-            if self.window is None and T == T_k:
+            if self.window is None and T == T_k and x.device.type == "cpu" and T <= SHORT_SEQUENCE:
+                y = causal_attention_bmm(q, k, v, dropout_p=p)  # faster than the fused kernel here
+            elif self.window is None and T == T_k:
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             elif self.window is None and T == 1:  # one new token: every cached key is in its past
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
@@ -218,6 +250,27 @@ class MultiHeadAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, H, T, D) -> (B, T, C): heads side by side
         return self.resid_dropout(self.out_proj(y)), (weights if need_weights else None)
+
+    def _qkv(self, x: torch.Tensor, stacked: bool) -> torch.Tensor:
+        """Queries, keys and values side by side, one head per row: ``(B, T, C) -> (B, H + 2 H_kv,
+        T, D)``. With ``stacked`` that is chapter 6's fused projection, one matmul with the three
+        weight matrices stacked (when :meth:`_stackable`), otherwise the three projections."""
+        B, T, _ = x.shape
+        if stacked and self._stackable():
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            b = (None if self.q_proj.bias is None else
+                 torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+            y = F.linear(x, w, b)  # (B, T, (H + 2 H_kv) D)
+        else:
+            y = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return y.view(B, T, -1, self.head_dim).transpose(1, 2)
+
+    def _stackable(self) -> bool:
+        """True when q, k and v can come from one matmul: all three projections are plain
+        ``nn.Linear`` layers (not, e.g., LoRA-wrapped) without forward hooks, which one stacked
+        matmul would bypass."""
+        return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+                   for m in (self.q_proj, self.k_proj, self.v_proj))
 
     def extra_repr(self) -> str:
         return (f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "

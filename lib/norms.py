@@ -6,8 +6,11 @@ the root mean square. The statistics are computed in at least float32, so the la
 when the rest of the model runs in bfloat16 or float16 (mixed precision).
 
 ``forward`` is written out in plain torch. By default (``fast=True``) it hands the same computation
-to torch's fused kernel when input and weight share a dtype, which is several times faster on a
-CPU; the tests check both paths against ``nn.LayerNorm`` / ``nn.RMSNorm``.
+to torch's own function when input and weight share a dtype: for LayerNorm a single fused kernel,
+several times faster on a CPU; for RMSNorm ``F.rms_norm``, which on a CPU still runs as a handful
+of operations (torch 2.13), so there RMSNorm costs more time than LayerNorm despite its smaller
+arithmetic (``benchmarks/cpu_kernels.py``). The tests check both paths against ``nn.LayerNorm`` /
+``nn.RMSNorm``.
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation: ``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension.
 
-    No mean subtraction and no bias: cheaper than LayerNorm and, in practice, just as good.
+    No mean subtraction and no bias: less arithmetic than LayerNorm and, in practice, just as good.
     """
 
     def __init__(self, d: int, eps: float = 1e-6) -> None:

@@ -287,6 +287,11 @@ class RotaryEmbedding(nn.Module):
         # (D/2,) float32, for inspection and to follow the module's device; the angles recompute
         # the frequencies in float64.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # cos and sin tables already computed, per (device, dtype): positions 0 ... n-1, grown on
+        # demand. Training asks for the same positions at every step of every layer; without the
+        # tables each call would redo the float64 trigonometry (a large part of a small model's
+        # CPU step, measured in docs/benchmarks.md).
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def _angles64(self, positions: Tensor) -> Tensor:
         """``positions (P,) -> (P, D/2)`` angles in float64, on the buffers' device (CPU for MPS,
@@ -325,14 +330,18 @@ class RotaryEmbedding(nn.Module):
         """
         T = _check_int("T", T, 1)
         offset = _check_int("offset", offset, 0)
-        positions = torch.arange(offset, offset + T, device=self.inv_freq.device)
-        angles = self._angles64(positions)             # (T, D/2), float64
-        angles = torch.cat((angles, angles), dim=-1)   # (T, D): dims i and i + D/2 share an angle
-        device = self.inv_freq.device if device is None else device
-        cos, sin = angles.cos(), angles.sin()
-        if self.attention_factor != 1.0:  # YaRN's temperature: q·k scaled by its square
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos.to(device, dtype), sin.to(device, dtype)
+        device = torch.device(self.inv_freq.device if device is None else device)
+        cos, sin = self._tables.get((device, dtype), (None, None))
+        if cos is None or len(cos) < offset + T:  # compute (twice as many as needed) and keep
+            n = max(2 * (offset + T), 0 if cos is None else 2 * len(cos))
+            angles = self._angles64(torch.arange(n, device=self.inv_freq.device))  # (n, D/2)
+            angles = torch.cat((angles, angles), dim=-1)  # (n, D): dims i, i + D/2 share an angle
+            cos, sin = angles.cos(), angles.sin()
+            if self.attention_factor != 1.0:  # YaRN's temperature: q·k scaled by its square
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            cos, sin = cos.to(device, dtype), sin.to(device, dtype)
+            self._tables[(device, dtype)] = (cos, sin)
+        return cos[offset:offset + T], sin[offset:offset + T]  # (T, D) each
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Rotate ``x`` of shape ``(B, H, T, D)`` (any ``(..., T, D)``) by positions ``offset … offset+T-1``."""

@@ -49,6 +49,10 @@ __all__ = ["TrainConfig", "History", "lr_at", "configure_optimizer", "distribute
            "train"]
 
 
+# torch's fused AdamW kernel runs on CPUs from torch 2.4 on.
+_CPU_FUSED_ADAMW = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 4)
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Learning rate for optimisation step ``step`` (0-based): linear warmup, then cosine decay.
 
@@ -68,7 +72,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
 def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
                         betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                         optimizer: str = "adamw") -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay on matrices (weights, embeddings) only.
+    """AdamW with decoupled weight decay on matrices (weights, embeddings) only; torch's fused
+    kernel on CUDA and on a CPU (torch >= 2.4; before that the multi-tensor kernel).
 
     Parameters with two or more dimensions decay; vectors (biases, norm gains) do not: shrinking a
     norm's gain or a bias toward zero is not the regularisation we want. Frozen parameters are left
@@ -101,12 +106,15 @@ def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if all(p.device.type == "cuda" for p in params):
-        kernel = {"fused": True}  # one kernel per step on CUDA
+    kernel = {}
+    if all(p.device.type == "cuda" for p in params) or (
+            all(p.device.type == "cpu" for p in params) and _CPU_FUSED_ADAMW):
+        # One kernel for the whole update. On a CPU it is several times faster than the
+        # multi-tensor ("foreach") path for the book's small models (benchmarks/cpu_kernels.py);
+        # the same formula, rounded differently in the last bits.
+        kernel = {"fused": True}
     elif all(p.device.type == "cpu" for p in params):
-        kernel = {"foreach": True}  # each operation over all tensors at once: same numbers, less overhead
-    else:
-        kernel = {}
+        kernel = {"foreach": True}  # torch < 2.4: no fused CPU kernel
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **kernel)
 
 
