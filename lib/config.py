@@ -185,10 +185,12 @@ class TrainConfig:
     """Everything that decides a training run (together with the model and the data).
 
     ``device=None`` trains wherever the model's parameters already are. ``amp`` uses bf16 autocast
-    on CUDA (ignored elsewhere). ``compile`` wraps the model in ``torch.compile`` on CUDA (ignored on
+    on GPUs that run bf16 natively (CUDA compute capability >= 8: A100, H100, RTX 30xx on); older
+    GPUs (a T4) train in float32, and CPUs and MPS ignore it. ``compile`` wraps the model in ``torch.compile`` on CUDA (ignored on
     CPU and MPS, where compiling costs more than it saves at the book's sizes). ``optimizer``:
     'adamw', or 'muon' (Muon for the hidden matrices, AdamW for the rest; see
-    :func:`lib.training.configure_optimizer`).
+    :func:`lib.training.configure_optimizer`). ``fused_adamw``: torch's one-kernel AdamW update;
+    None = on CUDA only, True = on any device (the CPU profile sets it), False = never.
     """
 
     max_steps: int = 1000
@@ -207,6 +209,7 @@ class TrainConfig:
     amp: bool = True
     compile: bool = False
     optimizer: str = "adamw"
+    fused_adamw: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "context_length", "eval_interval", "eval_batches"):
@@ -232,6 +235,8 @@ class TrainConfig:
                              f"e.g. 'cuda:0'), got {self.device!r}")
         check_bool("amp", self.amp)
         check_bool("compile", self.compile)
+        if self.fused_adamw is not None:
+            check_bool("fused_adamw", self.fused_adamw)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
 
     def to_dict(self) -> dict[str, Any]:
