@@ -115,3 +115,52 @@ def test_bad_inputs():
         merge_lora(model())
     with pytest.raises(TypeError, match="model"):
         merge_lora(None)
+
+
+def test_adapters_stay_float32_on_a_bfloat16_base():
+    """On a bfloat16 base the adapters are float32, so an update below bfloat16's resolution
+    survives an optimizer step (in bfloat16 it would round away); outputs keep the base dtype."""
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(16, 8).to(torch.bfloat16), r=4, alpha=8.0)
+    assert layer.base.weight.dtype == torch.bfloat16
+    assert layer.lora_A.dtype == layer.lora_B.dtype == torch.float32
+    with torch.no_grad():
+        layer.lora_B.fill_(1.0)
+    step = 1e-3  # bfloat16 spaces numbers near 1 by 2**-7 = 0.0078: 1 + 1e-3 rounds back to 1
+    assert torch.tensor(1.0, dtype=torch.bfloat16) + step == 1.0
+    opt = torch.optim.SGD([layer.lora_B], lr=step)
+    layer.lora_B.grad = -torch.ones_like(layer.lora_B)
+    opt.step()
+    torch.testing.assert_close(layer.lora_B, torch.full_like(layer.lora_B, 1 + step))
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    expected = layer.base(x).float() + 2.0 * (x.float() @ layer.lora_A.T @ layer.lora_B.T)
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2)
+    y.float().sum().backward()  # gradients reach the float32 adapters
+    assert layer.lora_A.grad.dtype == torch.float32 and layer.lora_A.grad.abs().sum() > 0
+    merged = layer.merged()
+    assert merged.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(merged(x).float(), y.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_apply_lora_on_a_bfloat16_model_trains_float32_adapters():
+    m = model().to(torch.bfloat16)
+    apply_lora(m, ATTENTION, r=2)
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    logits, loss = m(ids(), ids())
+    assert logits.dtype == torch.bfloat16
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainable)
+
+
+def test_a_rejected_call_leaves_the_model_unchanged():
+    """Every name and rank is checked before the first layer is wrapped or frozen."""
+    m = model(tie_embeddings=False)
+    with pytest.raises(ValueError, match="matches no layer"):
+        apply_lora(m, ["q_proj", "query"])
+    with pytest.raises(ValueError, match=r"r must be <= min\(in_features, out_features\) = 31"):
+        apply_lora(m, ["q_proj", "lm_head"], r=32)  # fits q_proj (32 x 32), not the head
+    assert not any(isinstance(x, LoRALinear) for x in m.modules())
+    assert all(p.requires_grad for p in m.parameters())
