@@ -1,19 +1,19 @@
 """Low-rank adaptation (LoRA): fine-tune a few small matrices beside frozen weights.
 
-A weight matrix ``W (out, in)`` stays frozen; beside it sit two trainable matrices, ``A (r, in)`` and
-``B (out, r)`` with a small rank ``r``, and the layer computes
+A weight matrix ``W (out, in)`` stays frozen; beside it sit two trainable matrices,
+``A (r, in)`` and ``B (out, r)`` with a small rank ``r``, and the layer computes
 
     y = x W^T + b + (alpha / r) * x A^T B^T
 
-``B`` starts at zero, so a freshly wrapped model computes exactly what it did before. Training
-updates only ``A`` and ``B``: ``r * (in + out)`` numbers instead of ``in * out``. Afterwards the
-update can be folded into the weight, ``W + (alpha / r) B A``, leaving a plain ``nn.Linear`` that
-costs nothing extra at inference (:func:`merge_lora`). The scale ``alpha / r`` is LoRA's (Hu et
-al. 2021); rank-stabilised LoRA (Kalajdzievski 2023) uses ``alpha / sqrt(r)``, which here is
-``alpha`` chosen as ``alpha' * sqrt(r)``.
+``B`` starts at zero, so a freshly wrapped model computes exactly what it did before.
+Training updates only ``A`` and ``B``: ``r * (in + out)`` numbers instead of ``in * out``.
+Afterwards the update can be folded into the weight, ``W + (alpha / r) B A``, leaving a
+plain ``nn.Linear`` that costs nothing extra at inference (:func:`merge_lora`). The scale
+``alpha / r`` is LoRA's (Hu et al. 2021); rank-stabilised LoRA (Kalajdzievski 2023) uses
+``alpha / sqrt(r)``, which is this layer with ``alpha`` set to ``alpha' * sqrt(r)``.
 
 - :class:`LoRALinear`: the wrapper around one ``nn.Linear``.
-- :func:`apply_lora`: wrap the named linear layers of a model and freeze everything else.
+- :func:`apply_lora`: wrap the named linear layers of a model, freeze everything else.
 - :func:`merge_lora`: fold every adapter into its weight.
 - :func:`lora_state_dict`: the adapter tensors alone (what a LoRA checkpoint stores).
 """
@@ -30,7 +30,7 @@ from lib.checks import check_int, check_number, check_type
 __all__ = ["ATTENTION", "FFN", "SWIGLU", "LoRALinear", "apply_lora", "merge_lora",
            "lora_state_dict"]
 
-# Names of lib's linear layers (the last part of a module's dotted name), for ``targets``:
+# Names of lib's linear layers (the last part of a module's dotted name) for ``targets``:
 # attention's four projections, the two-matrix MLP's layers, SwiGLU's three.
 ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
 FFN = ("fc_in", "fc_out")
@@ -38,13 +38,13 @@ SWIGLU = ("w_gate", "w_up", "w_down")
 
 
 class LoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` (``base``) plus a trainable low-rank update ``(alpha / r) B A``.
+    """A frozen ``nn.Linear`` (``base``) plus a trainable update ``(alpha / r) B A``.
 
-    ``lora_A`` ``(r, in_features)`` starts like an ``nn.Linear`` weight (Kaiming-uniform),
-    ``lora_B`` ``(out_features, r)`` at zero, so the output starts equal to ``base(x)``.
-    ``dropout`` applies to the adapter's input only (training mode). The adapters are float32
-    even when the base weight is bfloat16 or float16: their updates start tiny, and in a
-    16-bit number most of them would round away.
+    ``lora_A`` ``(r, in_features)`` starts like an ``nn.Linear`` weight, ``lora_B``
+    ``(out_features, r)`` at zero, so the output starts equal to ``base(x)``. ``dropout``
+    applies to the adapter's input only (training mode). The adapters are float32 even
+    when the base weight is bfloat16 or float16: their updates start tiny, and in a 16-bit
+    number most of them would round away.
     """
 
     def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0,
@@ -56,11 +56,11 @@ class LoRALinear(nn.Module):
         check_number("dropout", dropout, 0, 1, high_open=True)
         self.scaling = self.alpha / self.r
         self.base = base.requires_grad_(False)
-        dtype = torch.promote_types(base.weight.dtype, torch.float32)  # at least float32
+        dtype = torch.promote_types(base.weight.dtype, torch.float32)  # >= float32
         factory = {"device": base.weight.device, "dtype": dtype}
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **factory))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's initialisation
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear's weight
         self.dropout = nn.Dropout(dropout)
 
     @property
@@ -72,28 +72,27 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def delta_weight(self) -> torch.Tensor:
-        """The update the adapter adds to the weight: ``(alpha / r) B A``, ``(out, in)``."""
+        """The update the adapter adds to the weight, ``(alpha / r) B A``: (out, in)."""
         return self.scaling * (self.lora_B @ self.lora_A)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (…, in) -> (…, out), in the base weight's dtype
-        h = self.dropout(x.to(self.lora_A.dtype))  # the adapter computes in its own dtype
+        h = self.dropout(x.to(self.lora_A.dtype))  # the adapter runs in float32
         update = h @ self.lora_A.T @ self.lora_B.T  # (…, in) -> (…, r) -> (…, out)
         return y + (self.scaling * update).to(y.dtype)
 
     def merged(self) -> nn.Linear:
-        """A plain ``nn.Linear`` computing the same function: weight ``W + (alpha / r) B A``
+        """A plain ``nn.Linear`` computing the same function, weight ``W + (alpha / r) B A``
         (summed in the adapter's precision, stored in the base weight's dtype)."""
-        weight = self.base.weight
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.base.bias is not None,
+        weight, bias = self.base.weight, self.base.bias
+        linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None,
                            device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             delta = self.delta_weight()
             linear.weight.copy_(weight.to(delta.dtype) + delta)
-            if self.base.bias is not None:
-                linear.bias.copy_(self.base.bias)
-        linear.requires_grad_(False)
-        return linear
+            if bias is not None:
+                linear.bias.copy_(bias)
+        return linear.requires_grad_(False)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha:g}"
@@ -103,15 +102,16 @@ def _check_rank(r: object, base: nn.Linear) -> int:
     """``r`` if it is an int in ``[1, min(in_features, out_features)]`` of ``base``."""
     limit = min(base.in_features, base.out_features)
     if check_int("r", r) > limit:
-        raise ValueError(f"r must be <= min(in_features, out_features) = {limit}, got {r}")
+        raise ValueError(f"r must be <= min(in_features, out_features) = {limit}, "
+                         f"got {r}")
     return r
 
 
 def _check_targets(targets: object) -> tuple[str, ...]:
     """``targets`` as a tuple of non-empty layer names, or a clear error."""
     if isinstance(targets, str) or not isinstance(targets, Iterable):
-        raise TypeError(f"targets must be a list or tuple of layer names such as {ATTENTION}, "
-                        f"got {targets!r}")
+        raise TypeError(f"targets must be a list or tuple of layer names such as "
+                        f"{ATTENTION}, got {targets!r}")
     targets = tuple(targets)
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"targets must be a non-empty list of layer names such as "
@@ -123,7 +123,8 @@ def _target_layers(model: nn.Module, targets: tuple[str, ...], r: int) -> list[s
     """The names of the linear layers ``targets`` picks in ``model``, each checked: an
     ``nn.Linear`` with its own weight (not a tied head) and room for rank ``r``."""
     if any(isinstance(m, LoRALinear) for m in model.modules()):
-        raise ValueError("model already has LoRA adapters (call merge_lora first to fold them in)")
+        raise ValueError("model already has LoRA adapters (call merge_lora first to fold "
+                         "them in)")
     modules = dict(model.named_modules())
     chosen: dict[str, str] = {}
     for target in targets:
@@ -131,8 +132,8 @@ def _target_layers(model: nn.Module, targets: tuple[str, ...], r: int) -> list[s
         if not found:
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
                              if isinstance(m, nn.Linear)})
-            raise ValueError(f"target {target!r} matches no layer of the model; its linear "
-                             f"layers are named {linear}")
+            raise ValueError(f"target {target!r} matches no layer of the model; its "
+                             f"linear layers are named {linear}")
         chosen.update(dict.fromkeys(found, target))
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
@@ -143,23 +144,23 @@ def _target_layers(model: nn.Module, targets: tuple[str, ...], r: int) -> list[s
             raise ValueError(f"target {target!r} matches {name!r}, a "
                              f"{type(module).__name__}, not an nn.Linear")
         if uses[id(module.weight)] > 1:
-            raise ValueError(f"{name!r} shares its weight with another module (a tied head?); "
-                             f"an adapter there would change both")
+            raise ValueError(f"{name!r} shares its weight with another module (a tied "
+                             f"head?); an adapter there would change both")
         _check_rank(r, module)
     return sorted(chosen)
 
 
-def apply_lora(model: nn.Module, targets: Iterable[str], r: int = 8, alpha: float = 16.0,
-               dropout: float = 0.0) -> list[str]:
+def apply_lora(model: nn.Module, targets: Iterable[str], r: int = 8,
+               alpha: float = 16.0, dropout: float = 0.0) -> list[str]:
     """Wrap every ``nn.Linear`` whose name ends in one of ``targets`` in a
-    :class:`LoRALinear` (in place), freeze every other parameter, and return the names of
-    the wrapped layers.
+    :class:`LoRALinear` (in place), freeze every other parameter, and return the
+    names of the wrapped layers.
 
     A target is the last part of a module name (``"q_proj"``; see :data:`ATTENTION`,
-    :data:`FFN`, :data:`SWIGLU`) or a longer dotted tail (``"blocks.0.attn.q_proj"``). A
-    target that matches no linear layer, a match that is not an ``nn.Linear``, a layer whose
-    weight is shared with another module (a tied head) or a model that already has adapters
-    raises a ValueError, before anything is changed.
+    :data:`FFN`, :data:`SWIGLU`) or a longer dotted tail (``"blocks.0.attn.q_proj"``).
+    A target that matches no linear layer, a match that is not an ``nn.Linear``, a
+    layer whose weight is shared with another module (a tied head) or a model that
+    already has adapters raises a ValueError, before anything is changed.
     """
     check_type("model", model, nn.Module, "torch.nn.Module")
     check_int("r", r)
@@ -176,9 +177,9 @@ def apply_lora(model: nn.Module, targets: Iterable[str], r: int = 8, alpha: floa
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Replace every :class:`LoRALinear` in ``model`` by the plain ``nn.Linear`` with the update
-    folded in (same outputs, no extra cost); returns ``model``. Parameters stay frozen
-    (``requires_grad`` is not restored). A model without adapters raises a ValueError."""
+    """Replace every :class:`LoRALinear` in ``model`` by the plain ``nn.Linear`` with the
+    update folded in (same outputs, no extra cost); returns ``model``. Parameters stay
+    frozen. A model without adapters raises a ValueError."""
     check_type("model", model, nn.Module, "torch.nn.Module")
     wrapped = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if not wrapped:
@@ -191,8 +192,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors (``…lora_A``, ``…lora_B``) of ``model``: all a LoRA checkpoint needs to
-    store besides the base model it adapts."""
+    """The adapter tensors (``…lora_A``, ``…lora_B``) of ``model``: all that a LoRA
+    checkpoint stores besides the base model it adapts."""
     check_type("model", model, nn.Module, "torch.nn.Module")
     return {name: t for name, t in model.state_dict().items()
             if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
