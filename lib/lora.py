@@ -6,11 +6,11 @@ A weight matrix ``W (out, in)`` stays frozen; beside it sit two trainable matric
     y = x W^T + b + (alpha / r) * x A^T B^T
 
 ``B`` starts at zero, so a freshly wrapped model computes exactly what it did before.
-Training updates only ``A`` and ``B``: ``r * (in + out)`` numbers instead of ``in * out``.
-Afterwards the update can be folded into the weight, ``W + (alpha / r) B A``, leaving a
-plain ``nn.Linear`` that costs nothing extra at inference (:func:`merge_lora`). The scale
-``alpha / r`` is LoRA's (Hu et al. 2021); rank-stabilised LoRA (Kalajdzievski 2023) uses
-``alpha / sqrt(r)``, which is this layer with ``alpha`` set to ``alpha' * sqrt(r)``.
+Training updates only ``A`` and ``B``: ``r * (in + out)`` numbers, not ``in * out``.
+Afterwards the update can be folded into the weight, ``W + (alpha / r) B A``, leaving
+a plain ``nn.Linear`` that costs nothing extra at inference (:func:`merge_lora`). The
+scale ``alpha / r`` is LoRA's (Hu et al. 2021); rank-stabilised LoRA (Kalajdzievski
+2023) uses ``alpha / sqrt(r)``: this layer with ``alpha`` set to ``alpha' * sqrt(r)``.
 
 - :class:`LoRALinear`: the wrapper around one ``nn.Linear``.
 - :func:`apply_lora`: wrap the named linear layers of a model, freeze everything else.
@@ -30,7 +30,7 @@ from lib.checks import check_int, check_number, check_type
 __all__ = ["ATTENTION", "FFN", "SWIGLU", "LoRALinear", "apply_lora", "merge_lora",
            "lora_state_dict"]
 
-# Names of lib's linear layers (the last part of a module's dotted name) for ``targets``:
+# Names of lib's linear layers (the last part of a module's dotted name), for targets:
 # attention's four projections, the two-matrix MLP's layers, SwiGLU's three.
 ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
 FFN = ("fc_in", "fc_out")
@@ -41,10 +41,10 @@ class LoRALinear(nn.Module):
     """A frozen ``nn.Linear`` (``base``) plus a trainable update ``(alpha / r) B A``.
 
     ``lora_A`` ``(r, in_features)`` starts like an ``nn.Linear`` weight, ``lora_B``
-    ``(out_features, r)`` at zero, so the output starts equal to ``base(x)``. ``dropout``
-    applies to the adapter's input only (training mode). The adapters are float32 even
-    when the base weight is bfloat16 or float16: their updates start tiny, and in a 16-bit
-    number most of them would round away.
+    ``(out_features, r)`` at zero, so the output starts equal to ``base(x)``.
+    ``dropout`` applies to the adapter's input only (training mode). The adapters are
+    float32 even when the base weight is bfloat16 or float16: their updates start tiny,
+    and in a 16-bit number most of them would round away.
     """
 
     def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0,
@@ -82,8 +82,8 @@ class LoRALinear(nn.Module):
         return y + (self.scaling * update).to(y.dtype)
 
     def merged(self) -> nn.Linear:
-        """A plain ``nn.Linear`` computing the same function, weight ``W + (alpha / r) B A``
-        (summed in the adapter's precision, stored in the base weight's dtype)."""
+        """A plain ``nn.Linear`` computing the same function: its weight is
+        ``W + (alpha / r) B A``, summed in float32, stored in the base weight's dtype."""
         weight, bias = self.base.weight, self.base.bias
         linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None,
                            device=weight.device, dtype=weight.dtype)
@@ -123,8 +123,8 @@ def _target_layers(model: nn.Module, targets: tuple[str, ...], r: int) -> list[s
     """The names of the linear layers ``targets`` picks in ``model``, each checked: an
     ``nn.Linear`` with its own weight (not a tied head) and room for rank ``r``."""
     if any(isinstance(m, LoRALinear) for m in model.modules()):
-        raise ValueError("model already has LoRA adapters (call merge_lora first to fold "
-                         "them in)")
+        raise ValueError("model already has LoRA adapters (call merge_lora first to "
+                         "fold them in)")
     modules = dict(model.named_modules())
     chosen: dict[str, str] = {}
     for target in targets:
@@ -177,9 +177,9 @@ def apply_lora(model: nn.Module, targets: Iterable[str], r: int = 8,
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Replace every :class:`LoRALinear` in ``model`` by the plain ``nn.Linear`` with the
-    update folded in (same outputs, no extra cost); returns ``model``. Parameters stay
-    frozen. A model without adapters raises a ValueError."""
+    """Replace every :class:`LoRALinear` in ``model`` by the plain ``nn.Linear`` with
+    the update folded in (same outputs, no extra cost); returns ``model``. Parameters
+    stay frozen. A model without adapters raises a ValueError."""
     check_type("model", model, nn.Module, "torch.nn.Module")
     wrapped = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if not wrapped:
