@@ -83,7 +83,7 @@ class LoRALinear(nn.Module):
 
     def merged(self) -> nn.Linear:
         """A plain ``nn.Linear`` computing the same function: its weight is
-        ``W + (alpha / r) B A``, summed in float32, stored in the base weight's dtype."""
+        ``W + (alpha / r) B A``, summed in float32, stored in the base's dtype."""
         weight, bias = self.base.weight, self.base.bias
         linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None,
                            device=weight.device, dtype=weight.dtype)
