@@ -116,7 +116,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x, _ = block(x, kv_cache=None if kv_caches is None else kv_caches[i])
         logits = self.lm_head(self.norm_f(x))  # (B, T, C) -> (B, T, V)
-        loss = None if targets is None else cross_entropy(logits, targets, fast=self.fast)
+        loss = None if targets is None else cross_entropy(logits, targets, fused=self.fast)
         if loss is not None and self.training and self.config.aux_weight > 0:
             aux = torch.stack([block.ffn.aux_loss for block in self.blocks]).sum()
             loss = loss + self.config.aux_weight * aux

@@ -117,8 +117,8 @@ def test_filter_functions_validate_too():
         top_p_filter(logits, 2.0)
     with pytest.raises(ValueError, match="temperature"):
         apply_temperature(logits, -1.0)
-    with pytest.raises(ValueError, match="greedy"):
-        apply_temperature(logits, 0)
+    with pytest.raises(ValueError, match="temperature must be a number > 0"):
+        apply_temperature(logits, 0)  # temperature 0 is greedy(logits)
 
 
 def test_min_p_keeps_tokens_at_least_p_times_the_top_probability():
@@ -136,7 +136,7 @@ def test_min_p_keeps_tokens_at_least_p_times_the_top_probability():
         assert torch.equal(torch.isfinite(min_p_filter(logits, p)), expected)
 
 
-def test_repetition_penalty_follows_the_ctrl_rule():
+def test_repetition_penalty_lowers_every_seen_token_whatever_its_sign():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
     previous = torch.tensor([[0, 1, 1]])  # token 1 twice: penalised once, like any seen token
     out = apply_repetition_penalty(logits, previous, 2.0)
@@ -160,8 +160,6 @@ def test_repetition_penalty_bad_inputs():
         apply_repetition_penalty(logits, torch.zeros(2, 3), 1.2)
     with pytest.raises(ValueError, match=r"previous_ids must have shape \(2,\) \+ \(T,\)"):
         apply_repetition_penalty(logits, torch.zeros(3, 3, dtype=torch.long), 1.2)
-    with pytest.raises(ValueError, match=r"previous_ids holds token id 5"):
-        apply_repetition_penalty(logits, torch.full((2, 1), 5), 1.2)
     with pytest.raises(ValueError, match="min_p"):
         min_p_filter(logits, 2.0)
 
@@ -174,3 +172,22 @@ def test_sample_next_applies_penalty_before_greedy_and_filters():
     g = torch.Generator().manual_seed(0)
     draws = sample_next(logits.expand(200, 3), min_p=0.5, generator=g)
     assert set(draws.tolist()) == {0, 1}  # token 2 is far below half the top probability
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.0, 1.3, 2.5])
+def test_repetition_penalty_equals_transformers(penalty):
+    """The rule is Hugging Face's RepetitionPenaltyLogitsProcessor (divide positive logits,
+    multiply negative ones), not CTRL's, which divides every seen logit."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(4, 50, generator=g)  # both signs
+    previous = torch.randint(0, 50, (4, 12), generator=g)
+    ours = apply_repetition_penalty(logits, previous, penalty)
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(previous, logits.clone())
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    ctrl = logits.scatter(-1, previous, logits.gather(-1, previous) / penalty)  # CTRL: z / theta
+    negative_seen = logits.gather(-1, previous) < 0
+    if penalty > 1:  # where they differ, CTRL raises a seen token and HF lowers it
+        assert (ctrl.gather(-1, previous)[negative_seen]
+                > ours.gather(-1, previous)[negative_seen]).all()
