@@ -41,7 +41,6 @@ class GELU(nn.Module):
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         self.approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
-        self.approximate = approximate
         self.fast = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,10 +102,11 @@ class MoE(nn.Module):
     """A mixture of experts: ``n_experts`` SwiGLU networks and a router that sends each token to
     ``top_k`` of them.
 
-    For a token ``x`` the router computes probabilities ``p = softmax(x W_r)`` over the experts,
-    keeps the ``top_k`` largest and renormalises them to sum to 1 (the gates ``g``); the output is
-    ``sum_i g_i * expert_i(x)`` over the chosen experts. Only the chosen experts run, so a token
-    uses ``top_k / n_experts`` of the experts' parameters.
+    For a token ``x`` the router computes probabilities ``p = softmax(x W_r)`` over the experts and
+    keeps the ``top_k`` largest. Their gates ``g``: with ``top_k=1`` the chosen expert's probability
+    itself (the Switch Transformer); with ``top_k >= 2`` the kept probabilities renormalised to sum
+    to 1 (Mixtral). The output is ``sum_i g_i * expert_i(x)`` over the chosen experts. Only the
+    chosen experts do work on a token, so it uses ``top_k / n_experts`` of the experts' parameters.
 
     After each forward pass two attributes describe the routing of that batch:
     ``expert_counts`` ``(n_experts,)``, how many (token, slot) assignments each expert received,
@@ -133,25 +133,26 @@ class MoE(nn.Module):
         """Routing of tokens ``x`` ``(N, C)``: ``(probs (N, E), experts (N, k), gates (N, k))``.
 
         ``probs`` is the router's softmax over all experts (float32), ``experts`` the indices of the
-        ``k`` most probable, ``gates`` their probabilities renormalised to sum to 1 per token.
+        ``k`` most probable, ``gates`` their weights. One expert is gated by its probability: a
+        renormalised single gate would be ``p / p = 1`` whatever the router said, and the task loss
+        would send the router no gradient. Two or more are renormalised to sum to 1.
         """
-        if x.dim() != 2 or x.size(-1) != self.d_model:
-            raise ValueError(f"x must have shape (N, d_model={self.d_model}), got {tuple(x.shape)}")
         probs = torch.softmax(self.router(x).float(), dim=-1)  # (N, E)
         top_p, experts = probs.topk(self.top_k, dim=-1)  # (N, k) each
+        if self.top_k == 1:
+            return probs, experts, top_p
         return probs, experts, top_p / top_p.sum(dim=-1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.size(-1) != self.d_model:
-            raise ValueError(f"x must have last dimension {self.d_model}, got shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.d_model)  # (N, C), N = B * T tokens
         probs, experts, gates = self.route(flat)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = (experts == e).nonzero(as_tuple=True)  # the tokens routed to expert e
-            if token.numel():
-                y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C), weighted by the gate
-                out.index_add_(0, token, y.to(out.dtype))
+            # An expert that got no tokens still runs, on an empty batch: every parameter stays in
+            # the autograd graph (with a zero gradient), which DistributedDataParallel requires.
+            y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C), weighted by the gate
+            out.index_add_(0, token, y.to(out.dtype))
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
         fraction = counts.float() / experts.numel()  # f_e, sums to 1
         self.aux_loss = self.n_experts * (fraction * probs.mean(dim=0)).sum()

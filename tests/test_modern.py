@@ -7,7 +7,7 @@ import torch
 
 from lib.attention import MultiHeadAttention
 from lib.config import GPTConfig, TrainConfig
-from lib.feedforward import MoE, SwiGLU
+from lib.feedforward import MoE
 from lib.model import GPT
 from lib.optim import MuonAdamW, newton_schulz
 from lib.training import configure_optimizer, train
@@ -55,7 +55,9 @@ def _dense_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.size(-1))
     probs = torch.softmax(moe.router(flat), dim=-1)
     top_p, top_i = probs.topk(moe.top_k, dim=-1)
-    gates = torch.zeros_like(probs).scatter(1, top_i, top_p / top_p.sum(-1, keepdim=True))
+    if moe.top_k > 1:  # Mixtral renormalises its top k; the Switch Transformer gates by p itself
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    gates = torch.zeros_like(probs).scatter(1, top_i, top_p)
     outs = torch.stack([expert(flat) for expert in moe.experts], dim=1)  # (N, E, C)
     return (gates[:, :, None] * outs).sum(1).reshape(x.shape)
 
@@ -122,13 +124,82 @@ def test_moe_bad_input():
         GPTConfig.tiny(n_experts=4)  # experts without ffn='moe'
     with pytest.raises(ValueError, match="top_k"):
         MoE(8, 16, n_experts=2, top_k=3)
-    with pytest.raises(ValueError, match="x"):
-        MoE(8, 16, n_experts=2, top_k=1)(torch.randn(3, 5))
 
 
-def test_moe_expert_is_swiglu():
-    moe = MoE(8, 16, n_experts=2, top_k=1)
-    assert all(isinstance(e, SwiGLU) for e in moe.experts)
+def test_moe_expert_computes_swiglu_scaled_by_its_probability():
+    torch.manual_seed(3)
+    moe = MoE(8, 16, n_experts=3, top_k=1)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[1, 0] = 50.0  # expert 1 wins every token with a positive first feature
+    x = torch.rand(1, 6, 8) + 0.1
+    p1 = torch.softmax(moe.router(x), dim=-1)[..., 1:2]
+    w = moe.experts[1]
+    gate, up = x @ w.w_gate.weight.T, x @ w.w_up.weight.T
+    expected = p1 * ((gate * torch.sigmoid(gate) * up) @ w.w_down.weight.T)
+    torch.testing.assert_close(moe(x), expected)
+    assert moe.expert_counts.tolist() == [0, 6, 0]
+
+
+def _router_grad(top_k: int, renormalise_top1: bool = False) -> float:
+    """|dL/dW_r| from a task loss alone (no balancing term) for a fresh MoE."""
+    torch.manual_seed(4)
+    moe = MoE(16, 32, n_experts=4, top_k=top_k)
+    x, target = torch.randn(64, 16), torch.randn(64, 16)
+    if renormalise_top1:  # the old gate p / p = 1: what the router would get then
+        route = moe.route
+        moe.route = lambda t: (lambda p, e, g: (p, e, g / g.sum(-1, keepdim=True)))(*route(t))
+    torch.nn.functional.mse_loss(moe(x), target).backward()
+    return moe.router.weight.grad.norm().item()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_task_loss_alone_trains_the_router(top_k):
+    assert _router_grad(top_k) > 1e-3
+
+
+def test_renormalised_top1_gate_would_starve_the_router():
+    assert _router_grad(1, renormalise_top1=True) < 1e-6 < 1e-3 < _router_grad(1)
+
+
+def _mixtral_block(moe: MoE):
+    """transformers' MixtralSparseMoeBlock with the weights of ``moe`` copied in."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    config = mixtral.MixtralConfig(hidden_size=moe.d_model, intermediate_size=moe.experts[0].w_up.out_features,
+                                   num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
+                                   hidden_act="silu", router_jitter_noise=0.0)
+    block = mixtral.MixtralSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(moe.router.weight)
+        for e, expert in enumerate(moe.experts):
+            block.experts.gate_up_proj[e].copy_(torch.cat([expert.w_gate.weight, expert.w_up.weight]))
+            block.experts.down_proj[e].copy_(expert.w_down.weight)
+    return block, mixtral.load_balancing_loss_func
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_renormalised_top_k_matches_transformers_mixtral(top_k):
+    torch.manual_seed(5)
+    moe = MoE(16, 24, n_experts=4, top_k=top_k).eval()
+    block, balance = _mixtral_block(moe)
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), block(x))
+        logits = moe.router(x.reshape(-1, 16))
+    # transformers counts f_e over tokens (summing to k); lib over the N k assignments (to 1)
+    hf = balance((logits,), num_experts=4, top_k=top_k)
+    torch.testing.assert_close(moe.aux_loss, hf / top_k)
+
+
+def test_top1_balancing_loss_matches_transformers():
+    torch.manual_seed(6)
+    moe = MoE(16, 24, n_experts=4, top_k=1).eval()
+    _, balance = _mixtral_block(moe)
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        moe(x)
+        logits = moe.router(x.reshape(-1, 16))
+    torch.testing.assert_close(moe.aux_loss, balance((logits,), num_experts=4, top_k=1))
 
 
 # ---- Muon ----------------------------------------------------------------------------------------
@@ -141,6 +212,7 @@ def test_newton_schulz_pushes_singular_values_towards_one():
     assert newton_schulz(torch.randn(32, 16)).shape == (32, 16)
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 def test_muon_groups_match_torch_optimizers():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 12))
