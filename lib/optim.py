@@ -79,32 +79,36 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
+            update = self._muon_update if group["use_muon"] else self._adamw_update
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g, state = p.grad, self.state[p]
-                if group["use_muon"]:
-                    if not state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    buf, m = state["momentum_buffer"], group["momentum"]
-                    buf.lerp_(g, 1 - m)  # running average of gradients
-                    update = g.lerp(buf, m) if group["nesterov"] else buf
-                    update = newton_schulz(update, group["ns_steps"]).to(p.dtype)
-                    scale = 0.2 * math.sqrt(max(p.shape))  # update RMS comparable to AdamW's
-                    p.mul_(1 - lr * wd)
-                    p.add_(update, alpha=-lr * scale)
-                else:
-                    if not state:
-                        state["step"] = torch.zeros((), dtype=torch.float32)
-                        state["exp_avg"] = torch.zeros_like(p)
-                        state["exp_avg_sq"] = torch.zeros_like(p)
-                    beta1, beta2 = group["betas"]
-                    state["step"] += 1
-                    t = float(state["step"])
-                    state["exp_avg"].lerp_(g, 1 - beta1)
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    denom = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-                    p.mul_(1 - lr * wd)
-                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+                if p.grad is not None:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])  # decoupled weight decay
+                    update(p, self.state[p], group)
         return loss
+
+    @staticmethod
+    def _muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
+        """``p -= lr * 0.2 sqrt(max(m, n)) * NS(Nesterov momentum of the gradient)``."""
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        momentum, buffer = group["momentum"], state["momentum_buffer"]
+        buffer.lerp_(p.grad, 1 - momentum)  # B = mu B + (1 - mu) G
+        direction = p.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        orthogonal = newton_schulz(direction, group["ns_steps"]).to(p.dtype)
+        rms_match = 0.2 * math.sqrt(max(p.shape))  # update RMS comparable to AdamW's
+        p.add_(orthogonal, alpha=-group["lr"] * rms_match)
+
+    @staticmethod
+    def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:
+        """``p -= lr * m_hat / (sqrt(v_hat) + eps)``, Adam's bias-corrected moments."""
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        t = float(state["step"])
+        state["exp_avg"].lerp_(p.grad, 1 - beta1)  # m
+        state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)  # v
+        denom = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** t))
