@@ -34,22 +34,22 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 class GELU(nn.Module):
     """:func:`gelu` as a module (so that hooks can be attached to it).
 
-    With ``fast=True`` (the default) it calls torch's fused ``F.gelu``, which computes the same
-    function several times faster on a CPU; ``fast=False`` runs the written-out :func:`gelu`.
+    With ``fused=True`` (the default) it calls torch's fused ``F.gelu``, which computes the same
+    function several times faster on a CPU; ``fused=False`` runs the written-out :func:`gelu`.
     """
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         self.approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
-        self.fast = True
+        self.fused = True  # False: the written-out formula
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast:
+        if self.fused:
             return F.gelu(x, approximate=self.approximate)
         return gelu(x, self.approximate)
 
     def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}, fast={self.fast}"
+        return f"approximate={self.approximate!r}, fused={self.fused}"
 
 
 def _check_sizes(d_model: int, d_ff: int, dropout: float) -> None:
