@@ -23,12 +23,21 @@ from torch import nn
 from lib.checks import check_int, check_type
 from lib.config import History, TrainConfig
 
-__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "resume_training", "rng_state"]
+__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "resume_training", "rng_state",
+           "best_checkpoint_path"]
 
 _FORMAT = "gptbook-checkpoint-1"
-# Fields of TrainConfig that change where or how fast a run computes, not what it computes; a run may
-# resume with different values for these.
-_RESUMABLE_FIELDS = ("device", "compile")
+# Fields of TrainConfig that change where or how fast a run computes, not what it computes (the fused
+# AdamW kernel only rounds differently); a run may resume with different values for these.
+_RESUMABLE_FIELDS = ("device", "compile", "fused_adamw")
+
+
+def best_checkpoint_path(path: str | os.PathLike) -> Path:
+    """Where :func:`lib.training.train` keeps the checkpoint of the lowest validation loss so far,
+    next to its latest one at ``path``: ``run.safetensors`` -> ``run.best.safetensors``."""
+    check_type("path", path, (str, os.PathLike), "str or os.PathLike")
+    path = Path(path)
+    return path.with_name(f"{path.stem}.best{path.suffix}")
 
 
 def _model_config_dict(model: nn.Module) -> dict[str, Any] | None:

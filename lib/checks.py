@@ -127,3 +127,41 @@ def check_id_range(name: str, ids: torch.Tensor, vocab_size: int,
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} holds token id {bad}, out of range [0, vocab_size={vocab_size})")
+
+
+def check_token_data(name: str, data: Any, context_length: int, vocab_size: int | None = None) -> None:
+    """Token ids entering training or evaluation: a 1-D integer tensor of at least
+    ``context_length + 1`` ids (one window and its target), in ``[0, vocab_size)`` when given."""
+    check_token_ids(name, data, dim=1)
+    if len(data) < context_length + 1:
+        raise ValueError(f"{name} has {len(data)} tokens; context_length={context_length} needs at "
+                         f"least {context_length + 1}")
+    if vocab_size is not None:
+        check_id_range(name, data, vocab_size)  # once here, so no training step has to
+
+
+def check_train_args(model: Any, train_data: Any, val_data: Any, config: Any, checkpoint_path: Any,
+                     resume: Any, progress: Any, stop_at: Any, world_size: int) -> None:
+    """The arguments of :func:`lib.training.train` (``config`` already a ``TrainConfig``), checked
+    once where they enter, against the model's ``config`` where it has one."""
+    import os
+
+    check_type("model", model, torch.nn.Module, "torch.nn.Module")
+    model_config = getattr(model, "config", None)
+    max_context = getattr(model_config, "context_length", None)
+    if isinstance(max_context, int) and config.context_length > max_context:
+        raise ValueError(f"config.context_length={config.context_length} exceeds the model's "
+                         f"context_length={max_context}")
+    vocab_size = getattr(model_config, "vocab_size", None)
+    check_token_data("train_data", train_data, config.context_length, vocab_size)
+    if val_data is not None:
+        check_token_data("val_data", val_data, config.context_length, vocab_size)
+    check_type("checkpoint_path", checkpoint_path, (str, os.PathLike), "str, os.PathLike",
+               optional=True)
+    if check_bool("resume", resume) and checkpoint_path is None:
+        raise ValueError("resume=True needs a checkpoint_path to resume from")
+    check_bool("progress", progress)
+    check_int("stop_at", stop_at, maximum=config.max_steps, optional=True)
+    if config.batch_size % world_size:
+        raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the number of "
+                         f"processes ({world_size}): each trains on an equal slice of the batch")

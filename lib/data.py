@@ -144,10 +144,16 @@ def get_batch(
     context_length: int,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    rows: slice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``batch_size`` random windows: inputs ``x`` and targets ``y`` (``x`` shifted by one).
 
     Shapes: ``x, y ∈ (batch_size, context_length)``; ``y[b, t] == data[i_b + t + 1]``.
+    ``rows`` keeps only those rows of the sampled batch (a data-parallel process's slice, see
+    :func:`lib.distributed.batch_rows`): the generator draws the whole batch either way, so every
+    process advances it alike, and only the kept rows are gathered and copied to ``device``. On
+    CUDA the copy goes from pinned (page-locked) memory without blocking, so it overlaps the GPU's
+    work instead of waiting for it.
     """
     check_token_ids("data", data, dim=1)
     check_int("batch_size", batch_size)
@@ -156,7 +162,12 @@ def get_batch(
         raise ValueError(f"data has {len(data)} tokens; context_length={context_length} needs at least "
                          f"{context_length + 1}")
     starts = torch.randint(len(data) - context_length, (batch_size,), generator=generator)
+    if rows is not None:
+        starts = starts[rows]
     offsets = torch.arange(context_length)
     x = data[starts[:, None] + offsets]  # (B, T)
     y = data[starts[:, None] + offsets + 1]  # (B, T)
+    if torch.device(device).type == "cuda" and x.device.type == "cpu":
+        return (x.pin_memory().to(device, non_blocking=True),
+                y.pin_memory().to(device, non_blocking=True))
     return x.to(device), y.to(device)

@@ -1,5 +1,6 @@
 """Data-parallel training: two CPU processes (torchrun, gloo) with half the batch each compute the
-same run as one process with the whole batch."""
+same run as one process with the whole batch; and lib.distributed's pieces (the device each process
+takes from LOCAL_RANK, the rows of the batch it copies) checked one by one in one CPU process."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lib import distributed
 from lib.checkpoint import load_checkpoint
+from lib.data import get_batch
+from lib.distributed import rank_and_size
 from lib.model import GPT, GPTConfig
-from lib.training import TrainConfig, distributed_rank_and_size, train
+from lib.training import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(vocab_size=11, context_length=16, d_model=32, n_layers=2, n_heads=2, d_ff=64)
@@ -32,11 +36,12 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
     sys.path.insert(0, {root!r})
     from lib.model import GPT, GPTConfig
-    from lib.training import TrainConfig, distributed_rank_and_size, train
+    from lib.distributed import rank_and_size
+    from lib.training import TrainConfig, train
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank, world = distributed_rank_and_size()
+    rank, world = rank_and_size()
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     model = GPT(GPTConfig(**{model}))
     data = torch.arange(600) * 7 % 11
@@ -51,7 +56,7 @@ WORKER = textwrap.dedent(
 
 
 def test_outside_torchrun_the_process_is_rank_0_of_1():
-    assert distributed_rank_and_size() == (0, 1)
+    assert rank_and_size() == (0, 1)
 
 
 def test_two_processes_with_half_the_batch_match_one_process(tmp_path):
@@ -88,9 +93,66 @@ def test_two_processes_with_half_the_batch_match_one_process(tmp_path):
 
 
 def test_a_batch_that_does_not_split_evenly_is_rejected(monkeypatch):
-    import lib.training as training
-
-    monkeypatch.setattr(training, "distributed_rank_and_size", lambda: (0, 3))
+    monkeypatch.setattr(distributed, "rank_and_size", lambda: (0, 3))
     model = GPT(GPTConfig(**MODEL))
     with pytest.raises(ValueError, match="batch_size=8 must be divisible by the number of processes"):
         train(model, _data(), None, TrainConfig(**CONFIG), progress=False)
+
+
+def test_the_ranks_rows_tile_the_global_batch():
+    rows = [distributed.batch_rows(12, rank, 4) for rank in range(4)]
+    assert [(r.start, r.stop) for r in rows] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert distributed.batch_rows(8, 0, 1) == slice(0, 8)
+
+
+def test_get_batch_with_rows_is_that_slice_of_the_whole_batch_and_draws_alike():
+    """A process gathers only its rows, yet its generator advances as if it drew the whole batch,
+    so the next batch is the same in every process."""
+    data = torch.arange(1000)
+    whole_gen, part_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    x, y = get_batch(data, 8, 16, generator=whole_gen)
+    px, py = get_batch(data, 8, 16, generator=part_gen, rows=slice(4, 8))
+    assert torch.equal(px, x[4:8]) and torch.equal(py, y[4:8])
+    assert torch.equal(whole_gen.get_state(), part_gen.get_state())
+
+
+def test_each_process_takes_the_gpu_named_by_local_rank(monkeypatch):
+    """Under torchrun a CUDA device becomes cuda:LOCAL_RANK and is made current (before, every
+    process landed on cuda:0). No GPU is needed: torch.cuda.set_device is recorded, not called."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(distributed, "rank_and_size", lambda: (7, 8))  # rank 7 = machine 2, GPU 3
+    assert distributed.local_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert distributed.local_device(torch.device("cuda", 0)) == torch.device("cuda", 3)
+    assert calls == [3, 3]
+    assert distributed.local_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(distributed, "rank_and_size", lambda: (0, 1))
+    assert distributed.local_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert calls == [3, 3]  # a single process keeps the device it was given
+
+
+def test_train_feeds_each_process_only_its_rows(monkeypatch):
+    """train() as process 1 of 2 (the collective calls replaced by single-process stand-ins): every
+    step's forward sees the second half of the batch one process would draw."""
+    monkeypatch.setattr(distributed, "rank_and_size", lambda: (1, 2))
+    monkeypatch.setattr(distributed, "wrap", lambda model, device: model)
+    monkeypatch.setattr(distributed, "barrier", lambda: None)
+    monkeypatch.setattr(distributed, "mean_over_processes", lambda values: values)
+    seen = []
+    model = GPT(GPTConfig(**MODEL))
+    original = model.forward
+
+    def recording(x, y):
+        if model.training:
+            seen.append(x.clone())
+        return original(x, y)
+
+    model.forward = recording
+    config = TrainConfig(**CONFIG)
+    train(model, _data(), None, config, progress=False)
+    generator = torch.Generator().manual_seed(config.seed)
+    expected = [get_batch(_data(), config.batch_size, config.context_length, generator)[0][4:]
+                for _ in range(config.max_steps)]
+    assert len(seen) == config.max_steps
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected))

@@ -273,3 +273,50 @@ def test_gpt_config_new_fields():
         check_rope_scaling({**LLAMA3, "original_max_position_embeddings": 16.5})
     with pytest.raises(ValueError, match="low_freq_factor"):
         check_rope_scaling({**LLAMA3, "low_freq_factor": float("nan")})
+
+
+def test_bad_values_where_data_enters_are_named(tmp_path):
+    """from_hf checks its input where it enters: tensor names and types, weight dtypes,
+    config field types, and the files of a checkpoint folder."""
+    sd, cfg = gpt2_parts()
+    with pytest.raises(TypeError, match="state_dict keys must be tensor names"):
+        from_hf({**sd, 3: torch.zeros(1)}, cfg)
+    bad = {**sd, "transformer.wpe.weight": sd["transformer.wpe.weight"].long()}
+    with pytest.raises(ValueError, match=r"'transformer.wpe.weight'\] must hold floating-point"):
+        from_hf(bad, cfg)
+    with pytest.raises(ValueError, match=r"hf_config does not describe.*d_model"):
+        from_hf(sd, {**cfg, "n_embd": "32"})
+    with pytest.raises(ValueError, match=r"hf_config\['tie_word_embeddings'\] must be true or false"):
+        from_hf(sd, {**cfg, "tie_word_embeddings": "yes"})
+    with pytest.raises(ValueError, match=r"hf_config does not describe.*norm_eps"):
+        from_hf(sd, {**cfg, "layer_norm_epsilon": -1.0})
+    hf = llama()
+    checkpoint_style = {k: v for k, v in hf.config.to_dict().items() if k != "rope_parameters"}
+    with pytest.raises(ValueError, match=r"hf_config\['rope_scaling'\] must be a dict"):
+        from_hf(hf.state_dict(), {**checkpoint_style, "rope_scaling": "llama3"})
+    with pytest.raises(TypeError, match="folder must be a str or pathlib.Path"):
+        read_hf_folder(3)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json at .* is not valid JSON"):
+        read_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        read_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="has no 'weight_map'"):
+        read_hf_folder(tmp_path)
+    index = '{"weight_map": {"wte.weight": "model-00001-of-00002.safetensors"}}'
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match="lists model-00001-of-00002.safetensors, which is not"):
+        read_hf_folder(tmp_path)
+
+
+def test_integer_config_numbers_are_read_as_floats():
+    """config.json files write 500000 for rope_theta; lib's config holds the float."""
+    hf = llama()
+    cfg = {k: v for k, v in hf.config.to_dict().items() if k != "rope_parameters"}
+    cfg.update(rope_theta=10000, rms_norm_eps=1)
+    config = hf_config_to_gpt_config(cfg)
+    assert isinstance(config.rope_base, float) and config.rope_base == 10000.0
+    assert isinstance(config.norm_eps, float)

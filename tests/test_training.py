@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lib.model import GPT, GPTConfig
-from lib.checkpoint import load_checkpoint, save_checkpoint
+from lib.checkpoint import best_checkpoint_path, load_checkpoint, save_checkpoint
 from lib.training import History, TrainConfig, configure_optimizer, evaluate, lr_at, train
 
 VOCAB = 12
@@ -93,7 +93,8 @@ def test_resume_continues_bit_for_bit(tmp_path):
 
     assert resumed.as_dict() == whole.as_dict()
     assert same_weights(resumed_model, whole_model)
-    assert [p for p in tmp_path.iterdir()] == [path]  # no temporary files left behind
+    # the latest and the best checkpoint, no temporary files left behind
+    assert sorted(tmp_path.iterdir()) == sorted([path, best_checkpoint_path(path)])
 
 
 @pytest.mark.parametrize("crash_at_step, last_checkpoint", [(1, 0), (25, 20)])
@@ -122,6 +123,51 @@ def test_resume_after_a_crash_replays_from_the_last_checkpoint(tmp_path, crash_a
     assert load_checkpoint(path, small_gpt()).step == last_checkpoint  # later steps died with the crash
     resumed = train(small_gpt(seed=3), data, data, config, checkpoint_path=path, resume=True, progress=False)
     assert resumed.as_dict() == whole.as_dict()
+
+
+def test_the_best_checkpoint_holds_the_weights_of_the_lowest_validation_loss(tmp_path):
+    """Validation text that is 30% the training pattern and 70% its characters shuffled: the loss
+    falls while the model learns which characters occur, then rises as it memorises the pattern.
+    The latest checkpoint holds the overfit end, the best one the weights of the lowest loss."""
+    data = repeated()
+    shuffled = data[torch.randperm(len(data), generator=torch.Generator().manual_seed(0))]
+    val = torch.cat([data[: len(data) * 3 // 10], shuffled[: len(data) * 7 // 10]])
+    config = quick_config(max_steps=60, eval_interval=5, lr=1e-2, min_lr=1e-3)
+    path = tmp_path / "run.safetensors"
+    history = train(small_gpt(), data, val, config, checkpoint_path=path, progress=False)
+    best = min(range(len(history.step)), key=history.val_loss.__getitem__)
+    assert 0 < best < len(history.step) - 1  # the lowest loss lies inside the run
+    assert history.val_loss[-1] > history.val_loss[best] + 0.5  # and the end is overfit
+    model = small_gpt(seed=9)
+    assert load_checkpoint(path, model).step == config.max_steps
+    assert load_checkpoint(best_checkpoint_path(path), model).step == history.step[best]
+    again = evaluate(model, val, batch_size=config.batch_size, context_length=config.context_length,
+                     n_batches=config.eval_batches, seed=config.seed + 2)
+    assert again == history.val_loss[best]
+    without_val = tmp_path / "no_val.safetensors"
+    train(small_gpt(), data, None, config, checkpoint_path=without_val, progress=False)
+    assert not best_checkpoint_path(without_val).exists()  # no validation loss, no best
+
+
+def test_lr_schedule_equals_torchs_linear_warmup_then_cosine_annealing():
+    """lr_at over a whole run against torch's own schedulers: LinearLR for the warmup, then
+    CosineAnnealingLR down to min_lr, chained by SequentialLR."""
+    config = TrainConfig(max_steps=300, lr=3e-3, min_lr=3e-4, warmup_steps=40)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=config.lr)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / config.warmup_steps,
+                                               end_factor=1.0, total_iters=config.warmup_steps - 1)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=config.max_steps - config.warmup_steps, eta_min=config.min_lr)
+    schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine],
+                                                     milestones=[config.warmup_steps])
+    theirs = []
+    for _ in range(config.max_steps):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    ours = [lr_at(step, config) for step in range(config.max_steps)]
+    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64),
+                               torch.tensor(theirs, dtype=torch.float64), rtol=1e-9, atol=1e-12)
 
 
 def test_resume_with_different_settings_names_them(tmp_path):

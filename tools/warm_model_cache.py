@@ -1,6 +1,6 @@
 """Train (or load) the book's shared tiny model once, before the tests run in parallel.
 
-Several chapters load the tiny TinyShakespeare model from `lib.pretrained`; on a fresh cache the
+Several chapters load the tiny TinyShakespeare model from `lib.tiny_model`; on a fresh cache the
 first load trains it (about two minutes on one CPU thread), inside whichever chapter runs first.
 Doing it here, before the tests, keeps that one-time cost out of any chapter's cell timings and
 says plainly in the log what is happening.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib.pretrained import tiny_shakespeare_run  # noqa: E402
+from lib.tiny_model import tiny_shakespeare_run  # noqa: E402
 
 if __name__ == "__main__":
     start = time.perf_counter()
