@@ -252,6 +252,30 @@ def test_shown_output_lines_fit_the_page(path: Path):
     _report(bad, f"shown output lines longer than {WIDTH} characters:")
 
 
+LISTING_CALL = re.compile(r"^show_source\(([\w.]+)\)\s*$")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_shown_listings_fit_the_page(path: Path):
+    """Library listings (a cell whose last line is `show_source(obj)`) are shown as
+    highlighted code, not plain text, so the output-width test above skips them; their
+    lines must fit too. Checked on the listing stored in the notebook (the text the page
+    shows); shorten the library code (the listing is `inspect.getsource`) and re-execute."""
+    bad = []
+    for i, cell in enumerate(_cells(path)):
+        lines = _source(cell).strip().splitlines() if cell["cell_type"] == "code" else []
+        match = LISTING_CALL.match(lines[-1]) if lines else None
+        if not match or not _outputs_shown(cell):
+            continue
+        for out in cell.get("outputs", []):
+            text = out.get("data", {}).get("text/plain", "")
+            for line in ("".join(text) if isinstance(text, list) else text).splitlines():
+                if len(line) > WIDTH:
+                    bad.append(f"{_where(path, i)} show_source({match.group(1)}) "
+                               f"({len(line)} chars): {line}")
+    _report(bad, f"library listing lines longer than {WIDTH} characters:")
+
+
 def _chapter_markdown(path: Path) -> list[tuple[int, str]]:
     """(cell index, text) of a chapter's markdown: the markdown cells of a notebook, or a .md file."""
     if path.suffix == ".md":
