@@ -39,7 +39,7 @@ def kib(field):
 T, fast, mode = int(sys.argv[2]), sys.argv[3] == "fused", sys.argv[4]
 torch.manual_seed(0)
 attn = MultiHeadAttention(128, 4)
-attn.fast = fast
+attn.fused = fast
 x = torch.randn(1, T, 128, requires_grad=(mode == "training"))
 # Warm up on a short input so one-time allocations (kernels, thread pools) are not counted.
 with torch.no_grad():

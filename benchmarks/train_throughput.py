@@ -3,7 +3,7 @@
 Measures tokens per second for whole optimisation steps (forward, backward, gradient clipping and
 an AdamW step) of ``GPTConfig.tiny`` with ``F.scaled_dot_product_attention`` (the default, "fused")
 and with the attention written out as matmul + mask + softmax + matmul ("explicit"). ``--switch all``
-compares ``GPT.set_fast(True)`` with ``set_fast(False)`` instead: every fused path at once (attention,
+compares ``GPT.set_fused(True)`` with ``set_fused(False)`` instead: every fused path at once (attention,
 norms, GELU and the loss through ``F.cross_entropy``) against the written-out math. The two paths run on the same weights and batch, in
 alternating rounds, so load from other jobs on the machine affects both alike; the script reports
 the median of each and their ratio, by wall clock and by process CPU time.
@@ -38,12 +38,12 @@ def cpu_name() -> str:
 
 
 def select_path(model: GPT, fast: bool, switch: str) -> None:
-    """Fused (``fast``) or explicit: attention alone, or every fused path through ``GPT.set_fast``."""
+    """Fused (``fast``) or explicit: attention alone, or every fused path through ``GPT.set_fused``."""
     if switch == "all":
-        model.set_fast(fast)
+        model.set_fused(fast)
     else:
         for block in model.blocks:
-            block.attn.fast = fast
+            block.attn.fused = fast
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""The transformer block: pre-norm attention, then a pre-norm feed-forward network, each added to
-the residual stream.
+"""The transformer block: pre-norm attention, then a pre-norm feed-forward network, each
+added to the residual stream.
 
     x = x + attn(norm1(x))    # tokens exchange information
     x = x + ffn(norm2(x))     # each token is processed on its own
@@ -18,46 +18,53 @@ from lib.feedforward import MoE, FeedForward, SwiGLU
 from lib.norms import LayerNorm, RMSNorm
 from lib.positional import RotaryEmbedding
 
+__all__ = ["TransformerBlock", "make_ffn", "make_norm"]
+
 
 def make_norm(config: GPTConfig) -> nn.Module:
-    """The normalisation layer the config asks for: LayerNorm (bias as ``config.bias``) or RMSNorm."""
-    eps = {} if config.norm_eps is None else {"eps": config.norm_eps}  # None: the layer's default
+    """The normalisation layer the config asks for: LayerNorm (bias as ``config.bias``)
+    or RMSNorm."""
+    eps = {} if config.norm_eps is None else {"eps": config.norm_eps}  # None: default
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, **eps)
-    return LayerNorm(config.d_model, bias=config.bias, **eps)  # GPTConfig allows only these two
+    return LayerNorm(config.d_model, bias=config.bias, **eps)  # the only other choice
 
 
 def make_ffn(config: GPTConfig) -> nn.Module:
-    """The feed-forward network the config asks for: SwiGLU for ``ffn='swiglu'``, otherwise the
-    two-matrix MLP with ``config.ffn`` as its activation ('gelu', 'gelu_tanh' or 'relu'), or a
-    mixture of SwiGLU experts for ``ffn='moe'``."""
+    """The feed-forward network the config asks for: SwiGLU for ``ffn='swiglu'``,
+    otherwise the two-matrix MLP with ``config.ffn`` as its activation ('gelu',
+    'gelu_tanh' or 'relu'), or a mixture of SwiGLU experts for ``ffn='moe'``."""
     if config.ffn == "moe":
-        return MoE(config.d_model, config.d_ff, config.n_experts, config.moe_top_k, bias=config.bias,
-                   dropout=config.dropout)
+        return MoE(config.d_model, config.d_ff, config.n_experts, config.moe_top_k,
+                   bias=config.bias, dropout=config.dropout)
     if config.ffn == "swiglu":
-        return SwiGLU(config.d_model, config.d_ff, bias=config.bias, dropout=config.dropout)
-    return FeedForward(config.d_model, config.d_ff, activation=config.ffn, bias=config.bias,
-                       dropout=config.dropout)
+        return SwiGLU(config.d_model, config.d_ff, bias=config.bias,
+                      dropout=config.dropout)
+    return FeedForward(config.d_model, config.d_ff, activation=config.ffn,
+                       bias=config.bias, dropout=config.dropout)
 
 
 class TransformerBlock(nn.Module):
     """One pre-norm block: ``norm1``, ``attn``, ``norm2``, ``ffn``."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, rope: RotaryEmbedding | None = None) -> None:
+        """``rope``: the model's RotaryEmbedding, shared by all its blocks (None: the
+        block makes its own when ``config.positions == 'rope'``)."""
         super().__init__()
-        rope = (RotaryEmbedding(config.head_dim, config.rope_base, scaling=config.rope_scaling)
-                if config.positions == "rope" else None)
+        if rope is None and config.positions == "rope":
+            rope = RotaryEmbedding(config.head_dim, config.rope_base,
+                                   config.rope_scaling,
+                                   config.context_length)
         self.norm1 = make_norm(config)
-        self.attn = MultiHeadAttention(config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
-                                       bias=config.bias, dropout=config.dropout, window=config.window,
-                                       qk_norm=config.qk_norm)
+        self.attn = MultiHeadAttention(
+            config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
+            bias=config.bias, dropout=config.dropout, window=config.window,
+            qk_norm=config.qk_norm)
         self.norm2 = make_norm(config)
         self.ffn = make_ffn(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` ``(B, T, C)`` -> ``(x (B, T, C), attention weights (B, H, T, T_k) or None)``."""
-        a, weights = self.attn(self.norm1(x), kv_cache=kv_cache, need_weights=need_weights)
-        x = x + a  # attention's update joins the residual stream
-        x = x + self.ffn(self.norm2(x))  # then the feed-forward network's
-        return x, weights
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``."""
+        x = x + self.attn(self.norm1(x), kv_cache=kv_cache)  # tokens share information
+        x = x + self.ffn(self.norm2(x))  # each token processed on its own
+        return x

@@ -13,11 +13,15 @@ rather than one head.
 Range checks on token ids (:func:`check_id_range`) read the values. On a GPU that means waiting
 for every queued kernel, so they run where data enters the library (``train``, ``generate``,
 ``evaluate``), never inside ``forward``.
+
+One helper here is not a check: :func:`eval_mode`, the context manager every function uses that
+must run a model with dropout off and then give it back in the mode it was in.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -98,8 +102,22 @@ def check_divisible(name: str, value: int, by_name: str, by: int) -> None:
         raise ValueError(f"{name} ({value}) must be divisible by {by_name} ({by})")
 
 
-def check_token_ids(name: str, ids: Any, dim: int | None = None) -> torch.Tensor:
-    """``ids`` if it is an integer tensor (of ``dim`` dimensions when given); else TypeError/ValueError.
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``with eval_mode(model):`` runs the block with ``model.eval()`` (dropout off), then puts
+    back the mode the model had, training or not, even if the block raises."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def check_token_ids(name: str, ids: Any, dim: int | None = None,
+                    nonempty: bool = False) -> torch.Tensor:
+    """``ids`` if it is an integer tensor (of ``dim`` dimensions when given; with ``nonempty`` at
+    least one id along the last dimension); else TypeError/ValueError.
 
     Only the type and shape are looked at, which costs nothing; see :func:`check_id_range` for the
     values.
@@ -110,6 +128,9 @@ def check_token_ids(name: str, ids: Any, dim: int | None = None) -> torch.Tensor
         raise ValueError(f"{name} must be a {dim}-D tensor of token ids, got shape {tuple(ids.shape)}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
+    if nonempty and (ids.dim() == 0 or ids.size(-1) == 0):
+        raise ValueError(f"{name} must hold at least one token id per row, got shape "
+                         f"{tuple(ids.shape)}")
     return ids
 
 

@@ -35,9 +35,9 @@ OPTIMIZERS = ("adamw", "muon")
 class GPTConfig:
     """Every architectural choice of a GPT. The defaults are the tiny character model.
 
-    ``n_kv_heads``: the number of key/value heads as configured; None means one per query head
-    (plain multi-head attention). The property :attr:`kv_heads` is the resolved number (never None)
-    that the code uses.
+    ``n_kv_heads``: the number of key/value heads (grouped-query attention); None means one per
+    query head, plain multi-head attention (the attention modules' ``n_kv_heads`` is then
+    ``n_heads``).
     ``ffn`` names the feed-forward network by its non-linearity. Three are the two-matrix MLP
     (``lib.feedforward.FeedForward``) with a different activation: 'gelu' (exact), 'gelu_tanh'
     (GPT-2's approximation), 'relu'. The fourth, 'swiglu', is a different architecture: the gated
@@ -83,7 +83,8 @@ class GPTConfig:
         check_int("n_kv_heads", self.n_kv_heads, optional=True)
         check_int("window", self.window, optional=True)
         check_divisible("d_model", self.d_model, "n_heads", self.n_heads)
-        check_divisible("n_heads", self.n_heads, "n_kv_heads", self.kv_heads)
+        if self.n_kv_heads is not None:
+            check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
         check_choice("norm", self.norm, NORMS)
         check_choice("ffn", self.ffn, FFNS)
         check_choice("positions", self.positions, POSITIONS)
@@ -123,11 +124,6 @@ class GPTConfig:
     def head_dim(self) -> int:
         """Dimension of one attention head, ``d_model / n_heads``."""
         return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """The resolved number of key/value heads: ``n_kv_heads``, or ``n_heads`` when that is None."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-friendly), the inverse of :meth:`from_dict`."""

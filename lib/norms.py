@@ -1,16 +1,18 @@
-"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm (Llama), written out in plain torch.
+"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm (Llama), written out in plain
+torch.
 
-Both rescale each token's vector (the last dimension) to a standard size and then apply a learned
-per-feature gain. LayerNorm first removes the mean and also learns a shift; RMSNorm only divides by
-the root mean square. The statistics are computed in at least float32, so the layers stay accurate
-when the rest of the model runs in bfloat16 or float16 (mixed precision).
+Both rescale each token's vector (the last dimension) to a standard size and then apply
+a learned per-feature gain. LayerNorm first removes the mean and also learns a shift;
+RMSNorm only divides by the root mean square. The written-out statistics are computed in
+at least float32, so the layers stay accurate when the rest of the model runs in
+bfloat16 or float16.
 
-``forward`` is written out in plain torch. By default (``fast=True``) it hands the same computation
-to torch's own function when input and weight share a dtype: for LayerNorm a single fused kernel,
-several times faster on a CPU; for RMSNorm ``F.rms_norm``, which on a CPU still runs as a handful
-of operations (torch 2.13), so there RMSNorm costs more time than LayerNorm despite its smaller
-arithmetic (``benchmarks/cpu_kernels.py``). The tests check both paths against ``nn.LayerNorm`` /
-``nn.RMSNorm``.
+By default (``fused=True``) ``forward`` hands the same computation to torch's own
+function when input and weight share a dtype: ``F.layer_norm``, one fused kernel,
+several times faster on a CPU; ``F.rms_norm``, which on a CPU still runs as a handful of
+operations (torch 2.13), so there RMSNorm costs more time than LayerNorm despite its
+smaller arithmetic (``benchmarks/cpu_kernels.py``). ``fused=False`` runs the formula
+written out. The tests check both paths against ``nn.LayerNorm`` / ``nn.RMSNorm``.
 """
 from __future__ import annotations
 
@@ -20,17 +22,21 @@ from torch import nn
 
 from lib.checks import check_int, check_number
 
+__all__ = ["LayerNorm", "RMSNorm"]
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for half-precision inputs, the input's own dtype otherwise (float32, float64)."""
+    """float32 for half-precision inputs, the input's own dtype otherwise (float32,
+    float64)."""
     return torch.promote_types(x.dtype, torch.float32)
 
 
 class LayerNorm(nn.Module):
-    """Layer normalisation: ``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension.
+    """Layer normalisation over the last dimension:
+    ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
-    The variance is the biased one (divide by ``d``), as in ``nn.LayerNorm``. ``bias=False`` drops
-    the learned shift (some GPT variants do).
+    The variance is the biased one (divide by ``d``), as in ``nn.LayerNorm``.
+    ``bias=False`` drops the learned shift (some GPT variants do).
     """
 
     def __init__(self, d: int, eps: float = 1e-5, bias: bool = True) -> None:
@@ -39,12 +45,10 @@ class LayerNorm(nn.Module):
         self.eps = check_number("eps", eps, low=0, low_open=True)
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
-        self.fast = True  # False forces the written-out path
+        self.fused = True  # False: the written-out formula
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.size(-1) != self.d:
-            raise ValueError(f"x must have last dimension {self.d}, got shape {tuple(x.shape)}")
-        if self.fast and x.dtype == self.weight.dtype:  # the same formula, one fused kernel
+        if self.fused and x.dtype == self.weight.dtype:  # the same formula, one kernel
             return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
         h = x.to(_compute_dtype(x))
         mean = h.mean(dim=-1, keepdim=True)  # (..., 1)
@@ -56,13 +60,16 @@ class LayerNorm(nn.Module):
         return h.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.d}, eps={self.eps}, bias={self.bias is not None}, fast={self.fast}"
+        return (f"{self.d}, eps={self.eps}, bias={self.bias is not None}, "
+                f"fused={self.fused}")
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square normalisation: ``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension.
+    """Root-mean-square normalisation over the last dimension:
+    ``x / sqrt(mean(x**2) + eps) * weight``.
 
-    No mean subtraction and no bias: less arithmetic than LayerNorm and, in practice, just as good.
+    No mean subtraction and no bias: less arithmetic than LayerNorm and, in practice,
+    just as good.
     """
 
     def __init__(self, d: int, eps: float = 1e-6) -> None:
@@ -70,17 +77,15 @@ class RMSNorm(nn.Module):
         self.d = check_int("d", d)
         self.eps = check_number("eps", eps, low=0, low_open=True)
         self.weight = nn.Parameter(torch.ones(d))
-        self.fast = True  # False forces the written-out path
+        self.fused = hasattr(F, "rms_norm")  # torch >= 2.4; False: written out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.size(-1) != self.d:
-            raise ValueError(f"x must have last dimension {self.d}, got shape {tuple(x.shape)}")
-        if self.fast and x.dtype == self.weight.dtype and hasattr(F, "rms_norm"):  # torch >= 2.4
-            return F.rms_norm(x, (self.d,), self.weight, self.eps)  # the same formula, fused
+        if self.fused and x.dtype == self.weight.dtype:  # the same formula, fused
+            return F.rms_norm(x, (self.d,), self.weight, self.eps)
         h = x.to(_compute_dtype(x))
         ms = h.pow(2).mean(dim=-1, keepdim=True)  # (..., 1), mean square
         h = h * torch.rsqrt(ms + self.eps) * self.weight  # (..., d)
         return h.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.d}, eps={self.eps}, fast={self.fast}"
+        return f"{self.d}, eps={self.eps}, fused={self.fused}"

@@ -1,6 +1,7 @@
-"""The CPU fast paths of the training step (benchmarks/cpu_kernels.py measures their speed): the
-batched-matmul causal attention, the stacked q/k/v projection, the rotary embedding's cached
-tables. Each must compute what the written-out path computes."""
+"""lib.cpu_kernels, the CPU speed-ups of the training step (benchmarks/cpu_kernels.py measures
+them): the batched-matmul causal attention and the CPU attention forward must compute what the
+written-out path and torch's SDPA compute; the rotary embedding's kept tables must equal the
+RoPE formula."""
 from __future__ import annotations
 
 import math
@@ -9,24 +10,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lib.attention import (SHORT_SEQUENCE, MultiHeadAttention, causal_attention_bmm,
-                           scaled_dot_product_attention)
+from lib import cpu_kernels
+from lib.attention import MultiHeadAttention, scaled_dot_product_attention
+from lib.cpu_kernels import BMM_MAX_POSITIONS, CPUMultiHeadAttention, causal_attention_bmm
 from lib.lora import apply_lora
 from lib.model import GPT, GPTConfig
 from lib.positional import RotaryEmbedding
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
-def test_causal_attention_bmm_equals_the_written_out_formula(T):
+def test_causal_attention_bmm_equals_the_written_out_formula_and_torch(T):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, T, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, T, 8, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
     ours = causal_attention_bmm(q, k, v)
     reference, _ = scaled_dot_product_attention(q, k, v, causal=True)
     torch.testing.assert_close(ours, reference)
     torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True))
     g = torch.randn_like(ours)
     grads = torch.autograd.grad(ours, (q, k, v), g)
-    ref_grads = torch.autograd.grad(reference, (q, k, v), g)
+    ref_grads = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                    (q, k, v), g)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b)
 
@@ -41,16 +45,10 @@ def test_causal_attention_bmm_first_query_sees_only_itself():
 def test_causal_attention_bmm_dropout_only_with_p():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
-    assert torch.equal(causal_attention_bmm(q, k, v, dropout_p=0.0), causal_attention_bmm(q, k, v))
-    assert not torch.allclose(causal_attention_bmm(q, k, v, dropout_p=0.5), causal_attention_bmm(q, k, v))
-
-
-def test_causal_attention_bmm_rejects_mismatched_shapes():
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="one shape"):
-        causal_attention_bmm(q, torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
-    with pytest.raises(ValueError, match="one shape"):
-        causal_attention_bmm(q[0], q[0], q[0])
+    assert torch.equal(causal_attention_bmm(q, k, v, dropout_p=0.0),
+                       causal_attention_bmm(q, k, v))
+    assert not torch.allclose(causal_attention_bmm(q, k, v, dropout_p=0.5),
+                              causal_attention_bmm(q, k, v))
 
 
 def _mha(**kwargs) -> MultiHeadAttention:
@@ -61,52 +59,72 @@ def _mha(**kwargs) -> MultiHeadAttention:
 @pytest.mark.parametrize("kwargs", [dict(), dict(n_kv_heads=2, bias=True),
                                     dict(rope=RotaryEmbedding(8), qk_norm=True),
                                     dict(n_kv_heads=1, rope=RotaryEmbedding(8))])
-@pytest.mark.parametrize("T", [7, SHORT_SEQUENCE + 3])  # the bmm path and the fused kernel
-def test_fast_path_equals_explicit_path(kwargs, T):
+@pytest.mark.parametrize("T", [7, BMM_MAX_POSITIONS + 3])  # the bmm path, the fused kernel
+def test_cpu_forward_equals_the_written_out_path(kwargs, T):
     mha = _mha(**kwargs)
     x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
-    fast, _ = mha(x)
-    g = torch.randn_like(fast)
-    fast_grads = torch.autograd.grad(fast, [x, *mha.parameters()], g)
-    mha.fast = False
-    explicit, _ = mha(x)
+    mha.fused = False
+    explicit = mha(x)
+    g = torch.randn_like(explicit)
     explicit_grads = torch.autograd.grad(explicit, [x, *mha.parameters()], g)
-    torch.testing.assert_close(fast, explicit)
-    for a, b in zip(fast_grads, explicit_grads):  # each projection gets its own gradient back
+    mha.fused = True
+    cpu_kernels.apply(mha)
+    assert type(mha) is CPUMultiHeadAttention
+    assert mha._takes_cpu_path(x, None) == (T <= BMM_MAX_POSITIONS)
+    cpu = mha(x)
+    cpu_grads = torch.autograd.grad(cpu, [x, *mha.parameters()], g)
+    torch.testing.assert_close(cpu, explicit)
+    for a, b in zip(cpu_grads, explicit_grads):  # each projection gets its own gradient back
         torch.testing.assert_close(a, b)
 
 
+def test_apply_keeps_the_weights_and_the_outputs_of_a_model():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(11, positions="rope", context_length=32)).double()
+    ids = torch.randint(0, 11, (2, 32))
+    before, state = model(ids)[0], {k: v.clone() for k, v in model.state_dict().items()}
+    assert cpu_kernels.apply(model) is model
+    assert all(type(b.attn) is CPUMultiHeadAttention for b in model.blocks)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    torch.testing.assert_close(model(ids)[0], before)
+    cached = model.generate(ids[:, :5], 6, temperature=0.0)  # the cache takes the parent path
+    assert torch.equal(cached, model.generate(ids[:, :5], 6, temperature=0.0, use_cache=False))
+
+
 def test_hooks_and_lora_keep_the_separate_projections():
-    """A forward hook on a projection, or a LoRA-wrapped projection, must still see its call: the
-    stacked matmul is used only for three plain, hook-free nn.Linear layers."""
-    mha = _mha()
+    """A forward hook on a projection, or a LoRA-wrapped projection, must still see its call:
+    the stacked matmul is used only for three plain, hook-free nn.Linear layers."""
+    mha = cpu_kernels.apply(_mha())
     x = torch.randn(1, 5, 32, dtype=torch.float64)
-    assert mha._stackable()
+    assert mha._takes_cpu_path(x, None)
     seen = []
-    handle = mha.k_proj.register_forward_hook(lambda module, inputs, output: seen.append(output))
-    assert not mha._stackable()
+    handle = mha.k_proj.register_forward_hook(lambda module, inputs, out: seen.append(out))
+    assert not mha._takes_cpu_path(x, None)
     mha(x)
     assert len(seen) == 1
     handle.remove()
-    assert mha._stackable()
-    model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2, d_ff=32))
+    assert mha._takes_cpu_path(x, None)
+    model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2,
+                          d_ff=32))
+    cpu_kernels.apply(model)
     apply_lora(model, r=2, targets=("q_proj", "v_proj"))
-    assert not model.blocks[0].attn._stackable()
+    assert not model.blocks[0].attn._takes_cpu_path(torch.randn(1, 4, 16), None)
 
 
-def test_rope_tables_equal_a_fresh_computation_and_grow():
-    rope = RotaryEmbedding(8, base=500.0)
-    first = rope.cos_sin(5)
-    later = rope.cos_sin(7, offset=40)  # past the first table: it grows
-    assert len(rope._tables[(torch.device("cpu"), torch.float32)][0]) >= 47
-    for (cos, sin), (T, offset) in ((first, (5, 0)), (later, (7, 40))):
-        angles = rope._angles64(torch.arange(offset, offset + T))
-        angles = torch.cat((angles, angles), dim=-1)
-        assert torch.equal(cos, angles.cos().float()) and torch.equal(sin, angles.sin().float())
-    cos64, _ = rope.cos_sin(3, offset=2, dtype=torch.float64)  # one table per dtype
-    assert cos64.dtype == torch.float64
-    assert torch.equal(cos64.float(), rope.cos_sin(3, offset=2)[0])
-    assert math.isclose(cos64[0, 0].item(), math.cos(2.0))
+def test_rope_equals_the_rotation_formula_at_any_offset():
+    """RotaryEmbedding (tables kept, or computed past them) against RoPE written here in float64:
+    dims i and i + D/2 rotated by position * base^(-2i/D)."""
+    D, base = 8, 500.0
+    rope = RotaryEmbedding(D, base=base)
+    x = torch.randn(2, 3, 7, D)
+    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+    for offset in (0, 40, 5000):
+        angles = torch.arange(offset, offset + 7, dtype=torch.float64)[:, None] * inv_freq
+        cos, sin = angles.cos(), angles.sin()  # (T, D/2)
+        x1, x2 = x.double()[..., :D // 2], x.double()[..., D // 2:]
+        expected = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        torch.testing.assert_close(rope(x, offset).double(), expected, rtol=1e-5, atol=1e-5)
+    assert math.isclose(rope.cos_sin(3, offset=2)[0][0, 0].item(), math.cos(2.0), rel_tol=1e-6)
 
 
 def test_rope_tables_are_not_state():

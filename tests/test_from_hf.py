@@ -81,7 +81,7 @@ def test_gpt2_logits_and_greedy_tokens_match(tie, activation):
 def test_llama_logits_and_greedy_tokens_match(tie, scaling, kv_heads):
     hf = llama(tie, scaling, kv_heads)
     ours = from_hf(hf.state_dict(), hf.config.to_dict())
-    assert ours.config.kv_heads == kv_heads and ours.config.tie_embeddings is tie
+    assert ours.config.n_kv_heads == kv_heads and ours.config.tie_embeddings is tie
     assert ours.config.rope_scaling == (None if scaling is None else check_rope_scaling(scaling))
     assert ours.num_parameters() == hf.num_parameters()
     assert_same_model(hf, ours)

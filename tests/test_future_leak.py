@@ -1,12 +1,13 @@
 """No future leak: changing a later token must leave every earlier output unchanged.
 
 The check chapter 04 demonstrates, run on the library: the attention function, the attention
-module (fast and explicit paths) and the whole model. A transposed mask fails it.
+module (fused and written-out paths) and the whole model. A transposed mask fails it.
 """
 import pytest
 import torch
 
-from lib.attention import MultiHeadAttention, causal_mask, scaled_dot_product_attention
+from lib import cpu_kernels
+from lib.attention import MultiHeadAttention, attention_mask, scaled_dot_product_attention
 from lib.model import GPT, GPTConfig
 
 T, CHANGED = 7, 5  # sequence length; the position whose token we change
@@ -41,10 +42,10 @@ def _project(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return x @ w[0], x @ w[1], x @ w[2]
 
 
-@pytest.mark.parametrize("how", ["causal=True", "mask=causal_mask"])
+@pytest.mark.parametrize("how", ["causal=True", "mask=attention_mask"])
 def test_sdpa_earlier_outputs_ignore_a_later_token(how):
     x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    kwargs = {"causal": True} if how == "causal=True" else {"mask": causal_mask(T)}
+    kwargs = {"causal": True} if how == "causal=True" else {"mask": attention_mask(T, T)}
     outs = [scaled_dot_product_attention(*_project(inp), **kwargs)[0] for inp in (x, _change_one_position(x))]
     _assert_no_leak(*outs)
     # With the right mask, the earlier outputs are not just close but bit-for-bit identical.
@@ -53,7 +54,7 @@ def test_sdpa_earlier_outputs_ignore_a_later_token(how):
 
 def test_transposed_mask_leaks_and_the_check_catches_it():
     x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    wrong = causal_mask(T).T  # key j visible to query i when j >= i: the future
+    wrong = attention_mask(T, T).T  # key j visible to query i when j >= i: the future
     before, after = (scaled_dot_product_attention(*_project(inp), mask=wrong)[0]
                      for inp in (x, _change_one_position(x)))
     with pytest.raises(AssertionError):
@@ -61,14 +62,16 @@ def test_transposed_mask_leaks_and_the_check_catches_it():
     assert ((after - before).abs().amax(-1)[:, :CHANGED] > 1e-6).all()  # every earlier position moved
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_multi_head_attention_earlier_outputs_ignore_a_later_token(fast):
+@pytest.mark.parametrize("path", ["fused", "written-out", "cpu_kernels"])
+def test_multi_head_attention_earlier_outputs_ignore_a_later_token(path):
     torch.manual_seed(0)
     mha = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2).double().eval()
-    mha.fast = fast
+    mha.fused = path != "written-out"
+    if path == "cpu_kernels":
+        cpu_kernels.apply(mha)
     x = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with torch.no_grad():
-        _assert_no_leak(mha(x)[0], mha(_change_one_position(x))[0])
+        _assert_no_leak(mha(x), mha(_change_one_position(x)))
 
 
 @pytest.mark.parametrize("positions", ["learned", "rope"])

@@ -77,7 +77,7 @@ def test_parameter_counts_by_component_sum_to_the_total(kwargs):
     counts = m.parameter_counts()
     assert sum(counts.values()) == m.num_parameters()
     C, L = config.d_model, config.n_layers
-    kv = config.kv_heads * config.head_dim
+    kv = (config.n_kv_heads or config.n_heads) * config.head_dim
     attn = L * (2 * C * C + 2 * C * kv + (2 * C + 2 * kv if config.bias else 0))
     assert counts["attention"] == attn
     assert counts["positions"] == (config.context_length * C if config.positions == "learned" else 0)
@@ -149,21 +149,21 @@ def test_logits_at_t_do_not_depend_on_later_tokens(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", VARIANTS)
-def test_explicit_and_fast_paths_give_the_same_logits(kwargs):
+def test_written_out_and_fused_paths_give_the_same_logits(kwargs):
     m = model(small(**kwargs))
     x = ids(2, 16)
     y = ids(2, 16, seed=3)
-    fast_logits, fast_loss = m(x, y)
+    fused_logits, fused_loss = m(x, y)
     for b in m.blocks:  # attention alone written out
-        b.attn.fast = False
-    torch.testing.assert_close(m(x)[0], fast_logits)
-    m.set_fast(False)  # one switch: attention, norms, GELU and the loss written out
-    assert not m.fast and not any(getattr(mod, "fast", False) for mod in m.modules())
+        b.attn.fused = False
+    torch.testing.assert_close(m(x)[0], fused_logits)
+    m.set_fused(False)  # one switch: attention, norms, GELU and the loss written out
+    assert not m.fused and not any(getattr(mod, "fused", False) for mod in m.modules())
     slow_logits, slow_loss = m(x, y)
-    torch.testing.assert_close(slow_logits, fast_logits)
-    torch.testing.assert_close(slow_loss, fast_loss)
-    m.set_fast(True)
-    assert m.fast and all(b.attn.fast and b.norm1.fast for b in m.blocks)
+    torch.testing.assert_close(slow_logits, fused_logits)
+    torch.testing.assert_close(slow_loss, fused_loss)
+    m.set_fused(True)
+    assert m.fused and all(b.attn.fused and b.norm1.fused for b in m.blocks)
 
 
 def test_attention_maps_are_causal_distributions():
@@ -300,11 +300,28 @@ def test_bad_ids_are_clear_errors():
     with pytest.raises(IndexError):  # forward leaves it to the embedding's own bounds check (CPU)
         m(torch.tensor([[1, 29]]))
     with pytest.raises(TypeError, match="integer tensor"):
-        m(torch.zeros(1, 3))
-    with pytest.raises(ValueError, match=r"shape \(B, T\)"):
-        m(torch.tensor([1, 2, 3]))
-    with pytest.raises(ValueError, match="kv_caches must hold one KVCache per block"):
-        m(ids(1, 3), kv_caches=[KVCache()])
+        m.generate(torch.zeros(1, 3), 2)
+    with pytest.raises(ValueError, match="2-D tensor"):
+        m.generate(torch.tensor([1, 2, 3]), 2)
+    with pytest.raises(ValueError, match="at least one token id"):
+        m.attention_maps(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_eval_mode_restores_the_mode_even_after_an_error():
+    from lib.checks import eval_mode
+
+    m = model(small(dropout=0.3)).train()
+    with eval_mode(m):
+        assert not m.training and not m.blocks[0].training
+    assert m.training and m.blocks[0].attn.resid_dropout.training
+    with pytest.raises(RuntimeError, match="inside"):
+        with eval_mode(m):
+            raise RuntimeError("inside")
+    assert m.training
+    m.eval()
+    with eval_mode(m):
+        pass
+    assert not m.training
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from lib.model import GPT
+from lib.attention import MultiHeadAttention
+from lib.cpu_kernels import CPUMultiHeadAttention
 from lib.profiles import Profile, cpu_profile, gpu_profile
 from lib.training import train
 
@@ -18,9 +20,27 @@ def test_profiles_are_consistent(make):
     assert profile.model.vocab_size == 65
 
 
-def test_gpu_profile_asks_for_the_cuda_speed_ups():
-    train_config = gpu_profile().train
-    assert train_config.amp and train_config.compile
+def test_cpu_profile_model_takes_the_cpu_path_and_computes_what_gpt_computes():
+    """new_model() applies lib.cpu_kernels for the CPU profile only; its logits, and one AdamW
+    step with the fused kernel the profile asks for, equal a plain GPT's with foreach AdamW."""
+    profile = cpu_profile(11, max_steps=50)
+    assert profile.train.fused_adamw is True
+    torch.manual_seed(0)
+    model = profile.new_model()
+    assert all(type(b.attn) is CPUMultiHeadAttention for b in model.blocks)
+    torch.manual_seed(0)
+    plain = GPT(profile.model)
+    assert all(type(b.attn) is MultiHeadAttention for b in plain.blocks)
+    ids = torch.randint(0, 11, (4, 64), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(ids, -1, dims=1)
+    for m, fused in ((model, True), (plain, False)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+        m(ids, targets)[1].backward()
+        opt.step()
+    torch.testing.assert_close(model(ids)[0], plain(ids)[0], rtol=1e-4, atol=1e-4)
+    gpu = gpu_profile(11)
+    assert not gpu.cpu_kernels
+    assert all(type(b.attn) is MultiHeadAttention for b in gpu.new_model().blocks)
 
 
 def test_cpu_profile_trains_a_few_steps():

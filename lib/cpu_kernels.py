@@ -1,0 +1,104 @@
+"""CPU-only speed-ups for the small shapes of the CPU profile: opt-in, measured, tested.
+
+On a CPU, at the tiny model's sizes (a few heads of 32 dimensions, sequences of 64 to
+128 positions), torch's general kernels leave time on the table. Three choices recover
+it, each measured against its alternative by ``benchmarks/cpu_kernels.py`` and checked
+by ``tests/test_fast_paths.py`` to compute what the written-out path computes:
+
+- causal attention as ``baddbmm`` + softmax + ``bmm`` (:func:`causal_attention_bmm`),
+  which beats ``F.scaled_dot_product_attention`` up to about :data:`BMM_MAX_POSITIONS`
+  positions;
+- queries, keys and values from one matmul with the three weight matrices stacked, and
+  queries and keys rotated by RoPE in one call;
+- torch's fused AdamW kernel, a training setting: ``TrainConfig(fused_adamw=True)``,
+  which :func:`lib.profiles.cpu_profile` sets.
+
+The first two live in :class:`CPUMultiHeadAttention`; :func:`apply` swaps it in for
+every :class:`lib.attention.MultiHeadAttention` of a model (same parameters, same
+results up to rounding). Nothing a chapter shows depends on this module; chapter 11 and
+the tiny model's training run apply it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lib.attention import KVCache, MultiHeadAttention, attention_mask, repeat_kv
+
+__all__ = ["BMM_MAX_POSITIONS", "CPUMultiHeadAttention", "apply",
+           "causal_attention_bmm"]
+
+# Up to this many positions causal_attention_bmm is faster on a CPU than torch's fused
+# kernel (benchmarks/cpu_kernels.py); longer sequences go to the fused kernel.
+BMM_MAX_POSITIONS = 128
+
+
+def causal_attention_bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention for q, k, v of one shape ``(B, H, T, D)``, in three batched
+    kernels.
+
+    The formula of :func:`lib.attention.scaled_dot_product_attention` with
+    ``causal=True``: the scores, their scaling and the mask (``-inf`` on future keys,
+    added) are one ``baddbmm``, then the softmax, then the weighted sum, one ``bmm``.
+    """
+    B, H, T, D = q.shape
+    future = torch.zeros(T, T, device=q.device, dtype=q.dtype).masked_fill(
+        ~attention_mask(T, T, device=q.device), float("-inf"))  # (T, T): 0 or -inf
+    scores = torch.baddbmm(future, q.reshape(B * H, T, D),
+                           k.reshape(B * H, T, D).transpose(1, 2),
+                           alpha=1 / math.sqrt(D))  # (B*H, T, T): q k^T / sqrt(D) + M
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.bmm(weights, v.reshape(B * H, T, D)).view(B, H, T, D)
+
+
+class CPUMultiHeadAttention(MultiHeadAttention):
+    """:class:`lib.attention.MultiHeadAttention` with the CPU path for short causal
+    sequences: q, k and v from one stacked matmul, queries and keys rotated in one call,
+    :func:`causal_attention_bmm`. Everything else (a KV cache, a window, more than
+    :data:`BMM_MAX_POSITIONS` positions, another device, ``fused = False``, projections
+    that are not plain hook-free ``nn.Linear`` layers, e.g. LoRA) takes the parent's
+    forward."""
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        if not self._takes_cpu_path(x, kv_cache):
+            return super().forward(x, kv_cache)
+        B, T, C = x.shape
+        H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        proj = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([m.weight for m in proj])  # (C + 2 H_kv D, C): stacked
+        b = None if self.q_proj.bias is None else torch.cat([m.bias for m in proj])
+        qkv = F.linear(x, w, b).view(B, T, H + 2 * H_kv, D).transpose(1, 2)
+        qk, v = qkv.split([H + H_kv, H_kv], dim=1)  # (B, H + H_kv, T, D), v
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        if self.rope is not None:
+            qk = self.rope(qk)  # queries and keys rotated in one call
+        q, k = qk.split([H, H_kv], dim=1)
+        k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, T, D)
+        p = self.dropout if self.training else 0.0
+        y = causal_attention_bmm(q, k, v, dropout_p=p)  # (B, H, T, D)
+        return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+    def _takes_cpu_path(self, x: torch.Tensor, kv_cache: KVCache | None) -> bool:
+        """True when the CPU path computes what the parent's forward would."""
+        plain = all(type(m) is nn.Linear and not m._forward_hooks
+                    and not m._forward_pre_hooks
+                    for m in (self.q_proj, self.k_proj, self.v_proj))
+        return (plain and self.fused and kv_cache is None and self.window is None
+                and x.device.type == "cpu" and x.size(1) <= BMM_MAX_POSITIONS)
+
+
+def apply(model: nn.Module) -> nn.Module:
+    """Give every :class:`lib.attention.MultiHeadAttention` in ``model`` the CPU path of
+    :class:`CPUMultiHeadAttention` (in place: the parameters stay where they are).
+    Returns ``model``."""
+    for module in model.modules():
+        if type(module) is MultiHeadAttention:
+            module.__class__ = CPUMultiHeadAttention
+    return model
