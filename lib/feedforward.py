@@ -1,8 +1,9 @@
-"""Position-wise feed-forward networks: the GELU MLP (GPT-2) and SwiGLU (Llama).
+"""Position-wise feed-forward networks: the GELU MLP (GPT-2), SwiGLU (Llama) and a
+mixture of SwiGLU experts.
 
-Both act on every token independently: widen the vector from ``d_model`` to ``d_ff``, apply a
-non-linearity, project back to ``d_model``. The non-linearity sits in a submodule called ``act``,
-so a forward hook on ``.act`` captures the hidden activations.
+Each acts on every token independently: widen the vector from ``d_model`` to ``d_ff``,
+apply a non-linearity, project back to ``d_model``. The non-linearity sits in a
+submodule called ``act``, so a forward hook on ``.act`` captures the hidden activations.
 """
 from __future__ import annotations
 
@@ -21,21 +22,24 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """Gaussian error linear unit, ``x * Phi(x)`` with ``Phi`` the standard normal CDF.
 
-    ``approximate="none"`` uses the exact CDF (via ``erf``); ``"tanh"`` uses the tanh formula of
-    the original GELU paper, which GPT-2 was trained with.
+    ``approximate="none"`` uses the exact CDF (via ``erf``); ``"tanh"`` uses the tanh
+    formula of the original GELU paper, which GPT-2 was trained with.
     """
     if approximate == "none":
         return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
     if approximate == "tanh":
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
-    raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+    raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, "
+                     f"got {approximate!r}")
 
 
 class GELU(nn.Module):
     """:func:`gelu` as a module (so that hooks can be attached to it).
 
-    With ``fused=True`` (the default) it calls torch's fused ``F.gelu``, which computes the same
-    function several times faster on a CPU; ``fused=False`` runs the written-out :func:`gelu`.
+    With ``fused=True`` (the default) it calls torch's fused ``F.gelu``, which computes
+    the same function several times faster on a CPU; ``fused=False`` runs the
+    written-out :func:`gelu`.
     """
 
     def __init__(self, approximate: str = "none") -> None:
@@ -59,15 +63,17 @@ def _check_sizes(d_model: int, d_ff: int, dropout: float) -> None:
 
 
 class FeedForward(nn.Module):
-    """The GPT-2 MLP: ``fc_out(act(fc_in(x)))`` with ``act`` GELU (exact or tanh) or ReLU."""
+    """The GPT-2 MLP: ``fc_out(act(fc_in(x)))`` with ``act`` GELU (exact or tanh) or
+    ReLU."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = False,
-                 dropout: float = 0.0) -> None:
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu",
+                 bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         _check_sizes(d_model, d_ff, dropout)
         check_choice("activation", activation, ACTIVATIONS)
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
-        self.act = {"gelu": GELU("none"), "gelu_tanh": GELU("tanh"), "relu": nn.ReLU()}[activation]
+        self.act = {"gelu": GELU("none"), "gelu_tanh": GELU("tanh"),
+                    "relu": nn.ReLU()}[activation]
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
@@ -79,12 +85,13 @@ class FeedForward(nn.Module):
 class SwiGLU(nn.Module):
     """The gated MLP of Llama: ``w_down(silu(w_gate(x)) * w_up(x))``.
 
-    The gate branch decides, feature by feature, how much of the up branch passes. With three
-    matrices instead of two, ``d_ff`` is usually about 8/3 of ``d_model`` to keep the parameter
-    count of a 4x GELU MLP.
+    The gate branch decides, feature by feature, how much of the up branch passes. With
+    three matrices instead of two, ``d_ff`` is usually about 8/3 of ``d_model`` to keep
+    the parameter count of a 4x GELU MLP.
     """
 
-    def __init__(self, d_model: int, d_ff: int, bias: bool = False, dropout: float = 0.0) -> None:
+    def __init__(self, d_model: int, d_ff: int, bias: bool = False,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         _check_sizes(d_model, d_ff, dropout)
         self.w_gate = nn.Linear(d_model, d_ff, bias=bias)
@@ -99,43 +106,48 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture of experts: ``n_experts`` SwiGLU networks and a router that sends each token to
-    ``top_k`` of them.
+    """A mixture of experts: ``n_experts`` SwiGLU networks and a router that sends each
+    token to ``top_k`` of them.
 
-    For a token ``x`` the router computes probabilities ``p = softmax(x W_r)`` over the experts and
-    keeps the ``top_k`` largest. Their gates ``g``: with ``top_k=1`` the chosen expert's probability
-    itself (the Switch Transformer); with ``top_k >= 2`` the kept probabilities renormalised to sum
-    to 1 (Mixtral). The output is ``sum_i g_i * expert_i(x)`` over the chosen experts. Only the
-    chosen experts do work on a token, so it uses ``top_k / n_experts`` of the experts' parameters.
+    For a token ``x`` the router computes probabilities ``p = softmax(x W_r)`` over the
+    experts and keeps the ``top_k`` largest. Their gates ``g``: with ``top_k=1`` the
+    chosen expert's probability itself (the Switch Transformer); with ``top_k >= 2`` the
+    kept probabilities renormalised to sum to 1 (Mixtral). The output is
+    ``sum_i g_i * expert_i(x)`` over the chosen experts. Only the chosen experts work on
+    a token, so it uses ``top_k / n_experts`` of the experts' parameters.
 
     After each forward pass two attributes describe the routing of that batch:
-    ``expert_counts`` ``(n_experts,)``, how many (token, slot) assignments each expert received,
-    and ``aux_loss``, the Switch Transformer load-balancing loss ``n_experts * sum_e f_e P_e``
-    (``f_e``: fraction of the assignments that went to expert ``e``; ``P_e``: mean router
-    probability of ``e``). It is 1 when routing is uniform and grows as the load concentrates;
-    :class:`lib.model.GPT` adds it, weighted, to the training loss.
+    ``expert_counts`` ``(n_experts,)``, how many (token, slot) assignments each expert
+    received, and ``aux_loss``, the Switch Transformer load-balancing loss
+    ``n_experts * sum_e f_e P_e`` (``f_e``: fraction of the assignments that went to
+    expert ``e``; ``P_e``: mean router probability of ``e``). It is 1 when routing is
+    uniform and grows as the load concentrates; :class:`lib.model.GPT` adds it,
+    weighted, to the training loss.
     """
 
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, bias: bool = False,
-                 dropout: float = 0.0) -> None:
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int,
+                 bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         _check_sizes(d_model, d_ff, dropout)
         self.n_experts = check_int("n_experts", n_experts, minimum=2)
         self.top_k = check_int("top_k", top_k, minimum=1, maximum=n_experts)
         self.d_model = d_model
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(d_model, d_ff, bias=bias) for _ in range(n_experts))
+        self.experts = nn.ModuleList(SwiGLU(d_model, d_ff, bias=bias)
+                                     for _ in range(n_experts))
         self.dropout = nn.Dropout(dropout)
         self.aux_loss: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Routing of tokens ``x`` ``(N, C)``: ``(probs (N, E), experts (N, k), gates (N, k))``.
+        """Routing of tokens ``x`` ``(N, C)``: ``probs (N, E)``, ``experts (N, k)``,
+        ``gates (N, k)``.
 
-        ``probs`` is the router's softmax over all experts (float32), ``experts`` the indices of the
-        ``k`` most probable, ``gates`` their weights. One expert is gated by its probability: a
-        renormalised single gate would be ``p / p = 1`` whatever the router said, and the task loss
-        would send the router no gradient. Two or more are renormalised to sum to 1.
+        ``probs`` is the router's softmax over all experts (float32), ``experts`` the
+        indices of the ``k`` most probable, ``gates`` their weights. One expert is gated
+        by its probability: renormalised, a single gate would be ``p / p = 1`` whatever
+        the router said, and the task loss would send the router no gradient. Two or
+        more are renormalised to sum to 1.
         """
         probs = torch.softmax(self.router(x).float(), dim=-1)  # (N, E)
         top_p, experts = probs.topk(self.top_k, dim=-1)  # (N, k) each
@@ -148,10 +160,10 @@ class MoE(nn.Module):
         probs, experts, gates = self.route(flat)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
-            token, slot = (experts == e).nonzero(as_tuple=True)  # the tokens routed to expert e
-            # An expert that got no tokens still runs, on an empty batch: every parameter stays in
-            # the autograd graph (with a zero gradient), which DistributedDataParallel requires.
-            y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C), weighted by the gate
+            token, slot = (experts == e).nonzero(as_tuple=True)  # tokens sent to e
+            # An expert without tokens still runs, on an empty batch: its parameters
+            # stay in the autograd graph (zero gradient), as DDP requires.
+            y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C), gated
             out.index_add_(0, token, y.to(out.dtype))
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
         fraction = counts.float() / experts.numel()  # f_e, sums to 1
