@@ -6,15 +6,24 @@
 2. No duplicate <script> tags: sphinx-thebe adds its inline configuration script once through the
    app and once through the builder's registry, and the page then declares ``THEBE_JS_URL`` twice,
    a JavaScript error in every page's console. Identical scripts are kept once.
+3. MathJax served by the build: when a build starts, tools/fetch_mathjax.py puts MathJax into
+   _mathjax/ (SHA-256 checked, cached, a CDN loader when offline), which _config.yml's
+   html_extra_path copies into the built book. So a plain ``jupyter-book build .`` on a fresh clone
+   and ``make book`` produce the same book.
 """
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
+from pathlib import Path
 from typing import Any, Iterable
 
 from pybtex.plugin import register_plugin
 from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
 
 STYLE_NAME = "book_author_year"
 
@@ -75,8 +84,18 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
     scripts[:] = unique
 
 
+def _fetch_mathjax(app, config) -> None:
+    """Before Sphinx checks html_extra_path (its own config-inited handlers run at priority 800)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "fetch_mathjax.py"
+    spec = importlib.util.spec_from_file_location("fetch_mathjax", path)
+    fetch_mathjax = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_mathjax)
+    logger.info(f"[book_sphinx] {fetch_mathjax.ensure()}")
+
+
 def setup(app) -> dict[str, Any]:
     register_plugin("pybtex.style.labels", STYLE_NAME, AuthorYearLabelStyle)
     register_plugin("pybtex.style.formatting", STYLE_NAME, AuthorYearStyle)
+    app.connect("config-inited", _fetch_mathjax, priority=100)
     app.connect("html-page-context", _dedupe_scripts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -134,3 +134,48 @@ def test_bib_entries_with_others_name_two_authors_first():
         names = [n.strip() for n in authors.split(" and ")]
         if names[-1] == "others":
             assert len(names) >= 3, f"give two authors before 'others': {authors}"
+
+
+def _tarball(files: dict[str, str]) -> bytes:
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return buffer.getvalue()
+
+
+def test_fetch_mathjax_unpacks_once_and_falls_back_to_the_cdn(tmp_path, monkeypatch):
+    dest = tmp_path / "_mathjax" / "mathjax"
+    monkeypatch.setattr(fetch_mathjax, "cached_tarball", lambda: None)  # offline, nothing cached
+    assert "CDN" in fetch_mathjax.ensure(dest)
+    assert "cdn.jsdelivr.net" in (dest / fetch_mathjax.ENTRY).read_text()
+    assert not list(dest.glob(".version-*"))  # so the next build tries to bundle it again
+    package = _tarball({"package/es5/tex-mml-chtml.js": "// mathjax",
+                        "package/es5/input/tex/extensions/ams.js": "// ams",
+                        "package/es5/tex-svg-full.js": "// unused"})
+    monkeypatch.setattr(fetch_mathjax, "cached_tarball", lambda: package)
+    assert "unpacked" in fetch_mathjax.ensure(dest)
+    assert (dest / fetch_mathjax.ENTRY).read_text() == "// mathjax"
+    assert (dest / "input/tex/extensions/ams.js").is_file() and not (dest / "tex-svg-full.js").exists()
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["mathjax"]  # no staging folder left
+    monkeypatch.setattr(fetch_mathjax, "cached_tarball", lambda: pytest.fail("fetched twice"))
+    assert "already" in fetch_mathjax.ensure(dest)
+
+
+def test_the_extension_fetches_mathjax_before_sphinx_checks_html_extra_path():
+    """Sphinx warns about a missing html_extra_path entry from a config-inited handler at priority
+    800; the book's extension fills _mathjax/ from an earlier one, so a plain build needs no make."""
+    calls = []
+
+    class App:
+        def connect(self, event, handler, priority=500):
+            calls.append((event, handler, priority))
+
+    book_sphinx.setup(App())
+    (fetch,) = [(h, p) for e, h, p in calls if e == "config-inited"]
+    assert fetch[0] is book_sphinx._fetch_mathjax and fetch[1] < 800

@@ -6,6 +6,9 @@ loads at run time (TeX extensions, CommonHTML fonts, accessibility and menu part
 cannot be fetched (offline, nothing cached), it writes a small loader that takes MathJax from its
 public CDN instead, so the build still succeeds and math renders wherever the reader is online.
 
+The book's Sphinx extension (_ext/book_sphinx.py) calls :func:`ensure` when a build starts, so
+`jupyter-book build .` and `make book` serve the same MathJax; run this file to fetch it by hand.
+
 Not under _static/: jupyter-book adds a <script> tag for every .js file there to every page.
 _config.yml copies _mathjax/ into the build root (html_extra_path) and points mathjax_path at it.
 """
@@ -17,6 +20,7 @@ import os
 import shutil
 import sys
 import tarfile
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -66,30 +70,46 @@ def wanted(relative: str) -> bool:
     return relative == ENTRY or relative.startswith(RUNTIME_DIRS)
 
 
-def main() -> None:
+def ensure(dest: Path = DEST) -> str:
+    """Make ``dest`` hold MathJax (or the CDN loader when it cannot be fetched); say what was done.
+
+    Idempotent and cheap once done: a marker file records the unpacked version. The files are
+    unpacked into a sibling folder first and moved into place, so an interrupted run leaves no
+    half-unpacked copy behind.
+    """
     legacy = ROOT / "_static" / "mathjax"  # where older versions of this script unpacked it
     if legacy.exists():
         shutil.rmtree(legacy)
-    marker = DEST / f".version-{VERSION}"
-    if marker.exists():
-        return
-    if DEST.exists():  # an older layout, a CDN loader from an offline build, a partial unpack
-        shutil.rmtree(DEST)
-    DEST.mkdir(parents=True, exist_ok=True)
+    if (dest / f".version-{VERSION}").exists():
+        return f"MathJax {VERSION} already in {dest}"
     data = cached_tarball()
-    if data is None:
-        (DEST / ENTRY).write_text(CDN_LOADER)
-        print("fetch_mathjax: wrote a CDN loader instead; math renders only online", file=sys.stderr)
-        return
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        for member in tar.getmembers():
-            relative = member.name.removeprefix("package/es5/")
-            if member.isfile() and member.name.startswith("package/es5/") and wanted(relative):
-                target = DEST / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(tar.extractfile(member).read())
-    marker.touch()
-    print(f"fetch_mathjax: MathJax {VERSION} unpacked into {DEST.relative_to(ROOT)}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".mathjax-", dir=dest.parent))
+    try:
+        if data is None:
+            (staging / ENTRY).write_text(CDN_LOADER)
+            message = f"MathJax could not be bundled; {dest / ENTRY} loads it from the CDN"
+        else:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+                for member in tar.getmembers():
+                    relative = member.name.removeprefix("package/es5/")
+                    if member.isfile() and member.name.startswith("package/es5/") and wanted(relative):
+                        target = staging / relative
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(tar.extractfile(member).read())
+            (staging / f".version-{VERSION}").touch()  # no marker for the CDN loader: retry next time
+            message = f"MathJax {VERSION} unpacked into {dest}"
+        if dest.exists():  # an older version, a CDN loader from an offline build
+            shutil.rmtree(dest)
+        staging.chmod(0o755)
+        os.replace(staging, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return message
+
+
+def main() -> None:
+    print(f"fetch_mathjax: {ensure()}")
 
 
 if __name__ == "__main__":
