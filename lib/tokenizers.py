@@ -298,9 +298,27 @@ def learn_merges(chunks: Mapping[str, int], n_merges: int,
 # The tokenizer
 # --------------------------------------------------------------------------------------------------
 
+def _check_byte_ids(byte_ids: Any) -> list[int | None]:
+    """256 distinct non-negative ids, one per byte value; None marks a byte without a token."""
+    if byte_ids is None:
+        return list(range(256))
+    message = ("byte_ids must be a sequence of 256 distinct non-negative ints (the id of each "
+               "byte; None for a byte the vocabulary lacks)")
+    if not isinstance(byte_ids, (list, tuple, range)) or len(byte_ids) != 256:
+        raise ValueError(message)
+    ids = [i for i in byte_ids if i is not None]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids) or \
+            len(set(ids)) != len(ids) or not ids:
+        raise ValueError(message)
+    return list(byte_ids)
+
+
 class BPETokenizer:
     """Byte-level BPE: a text is pre-split by ``pattern``, each chunk becomes its UTF-8 bytes (one id
     per byte, ``byte_ids[b]``), and adjacent ids are merged greedily, lowest merge rank first.
+    A vocabulary may lack some bytes (``byte_ids[b] is None``; SmolLM2's lacks 21 that are rare or
+    invalid in UTF-8): they are dropped when encoding, as Hugging Face's BPE without an unknown
+    token drops them.
 
     ``merges`` maps a pair of ids to the id it becomes; that id is also the merge's priority (a
     smaller id was learned earlier and is applied first). A trained tokenizer uses ``byte_ids =
@@ -311,18 +329,11 @@ class BPETokenizer:
                  byte_ids: Sequence[int] | None = None) -> None:
         self._regex = _compile_pattern(pattern)
         self.pattern: str = pattern
-        if byte_ids is None:
-            byte_ids = list(range(256))
-        if not isinstance(byte_ids, (list, tuple, range)) or len(byte_ids) != 256:
-            raise ValueError("byte_ids must be a sequence of 256 distinct non-negative ints (the id of each byte)")
-        byte_ids = list(byte_ids)
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in byte_ids) or \
-                len(set(byte_ids)) != 256:
-            raise ValueError("byte_ids must be a sequence of 256 distinct non-negative ints (the id of each byte)")
+        byte_ids = _check_byte_ids(byte_ids)
         if not isinstance(merges, Mapping):
             raise TypeError(f"merges must map (id, id) -> new id, got {type(merges).__name__}")
-        self.byte_ids: list[int] = byte_ids
-        vocab: dict[int, bytes] = {i: bytes([b]) for b, i in enumerate(byte_ids)}
+        self.byte_ids: list[int | None] = byte_ids
+        vocab: dict[int, bytes] = {i: bytes([b]) for b, i in enumerate(byte_ids) if i is not None}
         for pair, new_id in sorted(merges.items(), key=lambda kv: kv[1]):
             if (not isinstance(pair, tuple) or len(pair) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
@@ -357,6 +368,8 @@ class BPETokenizer:
     def _encode_chunk(self, chunk: bytes) -> list[int]:
         """BPE on one chunk: repeatedly merge the adjacent pair with the lowest rank."""
         ids = [self.byte_ids[b] for b in chunk]
+        if None in ids:  # a byte without a token is dropped, as Hugging Face's BPE does
+            ids = [i for i in ids if i is not None]
         merges = self.merges
         while len(ids) >= 2:
             ranks = [merges.get(pair) for pair in zip(ids, ids[1:])]
@@ -497,3 +510,95 @@ def tiktoken_encoding(name: str = "cl100k_base") -> Any:
         raise RuntimeError(f"could not load the tiktoken encoding {name!r} ({cause}). {where}; offline, "
                            f"point TIKTOKEN_CACHE_DIR at a folder that holds it") from None
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Special tokens and chat templates (models such as SmolLM2)
+# --------------------------------------------------------------------------------------------------
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, as vocabularies in tokenizer.json and GGUF
+    files store tokens: printable bytes stand for themselves, the others (space, control
+    characters, ...) are shifted to 256 and up, so that a space is ``'Ġ'`` and ``'\\n'`` is ``'Ċ'``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    mapping = {b: chr(b) for b in printable}
+    mapping.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return mapping
+
+
+class ChatTokenizer:
+    """A :class:`BPETokenizer` plus special tokens and a chat template, as chat models ship.
+
+    ``special`` maps each special token's text (``'<|im_start|>'``) to its id. :meth:`encode` finds
+    special tokens in the text first and encodes the text between them with ``bpe``;
+    :meth:`decode` writes special tokens back as their text. ``chat_template`` is the model's
+    Jinja template (rendered in a sandbox by :meth:`apply_chat_template`).
+    """
+
+    def __init__(self, bpe: BPETokenizer, special: Mapping[str, int],
+                 chat_template: str | None = None, eos_id: int | None = None) -> None:
+        if not isinstance(bpe, BPETokenizer):
+            raise TypeError(f"bpe must be a BPETokenizer, got {type(bpe).__name__}")
+        if not isinstance(special, Mapping) or not all(
+                isinstance(t, str) and t and isinstance(i, int) and i >= 0
+                for t, i in special.items()):
+            raise ValueError("special must map non-empty token texts to non-negative int ids")
+        clash = sorted(i for i in special.values() if i in bpe.vocab)
+        if clash or len(set(special.values())) != len(special):
+            raise ValueError(f"special token ids must be distinct and unused by bpe, got {clash}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError("chat_template must be None or a str (a Jinja template)")
+        self.bpe, self.special = bpe, dict(special)
+        self.special_text = {i: t.encode("utf-8") for t, i in special.items()}
+        self.chat_template, self.eos_id = chat_template, eos_id
+        longest_first = sorted(special, key=len, reverse=True)
+        self._special_re = regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")")
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the id space: ``bpe``'s ids and the special ones."""
+        return max(self.bpe.vocab_size, max(self.special_text, default=-1) + 1)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``; special tokens written in it become their single ids."""
+        _check_text(text)
+        out: list[int] = []
+        for k, piece in enumerate(self._special_re.split(text) if self.special else [text]):
+            if k % 2:  # split() puts the matched special tokens at odd positions
+                out.append(self.special[piece])
+            elif piece:
+                out.extend(self.bpe.encode(piece))
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens included; invalid UTF-8 becomes U+FFFD."""
+        ids = _as_id_list(ids, self.vocab_size)
+        text = self.special_text
+        parts = [text[i] if i in text else self.bpe.decode_bytes([i]) for i in ids]
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """The conversation as the model was trained to read it, e.g. ChatML:
+        ``<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n``."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat_template")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not all(
+                isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
+        return template.render(messages=[dict(m) for m in messages],
+                               add_generation_prompt=bool(add_generation_prompt))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Ids of :meth:`apply_chat_template` (with the prompt for the assistant's answer)."""
+        return self.encode(self.apply_chat_template(messages))
+
+    def __repr__(self) -> str:
+        return (f"ChatTokenizer(vocab_size={self.vocab_size}, merges={len(self.bpe.merges)}, "
+                f"special={len(self.special)})")
