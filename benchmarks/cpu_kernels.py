@@ -10,15 +10,17 @@ alternating rounds, so load from other jobs hits both alike, and the script prin
 of each side and the ratio ``baseline / choice`` (above 1: the lib's choice is faster).
 
 * ``adamw``: ``torch.optim.AdamW`` with ``foreach=True`` against ``fused=True`` (what
-  ``lib.training.configure_optimizer`` picks on a CPU from torch 2.4), one step on every parameter
-  of ``GPTConfig.tiny``.
+  ``TrainConfig(fused_adamw=True)``, set by ``lib.profiles.cpu_profile``, picks on a CPU),
+  one step on every parameter of ``GPTConfig.tiny``.
 * ``attention T=..``: ``F.scaled_dot_product_attention(is_causal=True)`` against
-  ``lib.attention.causal_attention_bmm`` (what ``MultiHeadAttention`` uses on a CPU for
-  sequences of at most ``SHORT_SEQUENCE`` positions).
+  ``lib.cpu_kernels.causal_attention_bmm`` (what ``CPUMultiHeadAttention`` uses for sequences
+  of at most ``BMM_MAX_POSITIONS`` positions).
 * ``qkv``: three projections (``q_proj``, ``k_proj``, ``v_proj``) against one matmul with their
-  weights stacked, as ``MultiHeadAttention`` computes them.
-* ``rope``: rotating queries and keys with the cos/sin tables recomputed at every call (the
-  angles in float64) against the tables ``RotaryEmbedding`` keeps.
+  weights stacked, as ``CPUMultiHeadAttention`` computes them.
+* ``rope``: rotating queries and keys in two calls (as ``MultiHeadAttention`` does) against one
+  call on queries and keys side by side (as ``CPUMultiHeadAttention`` does).
+* ``layer``: the whole attention layer of the CPU profile's model (RoPE, 4 heads of 32, T=64),
+  ``lib.attention.MultiHeadAttention`` against ``lib.cpu_kernels.CPUMultiHeadAttention``.
 * ``rmsnorm / layernorm``: the lib's ``RMSNorm`` against ``LayerNorm(bias=False)``, both on
   their fused path (not the same function: this measures what the choice of norm costs).
 * ``gelu / relu``: the same for the two activations.
@@ -36,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lib.attention import causal_attention_bmm  # noqa: E402
+from lib.attention import MultiHeadAttention  # noqa: E402
+from lib.cpu_kernels import CPUMultiHeadAttention, causal_attention_bmm  # noqa: E402
 from lib.feedforward import GELU  # noqa: E402
 from lib.model import GPT, GPTConfig  # noqa: E402
 from lib.norms import LayerNorm, RMSNorm  # noqa: E402
@@ -104,16 +107,23 @@ def rope_pair(B: int) -> tuple[Callable, Callable]:
     rope = RotaryEmbedding(D)
     q, k = leaf(B, H, 64, D), leaf(B, H, 64, D)
 
-    def recomputed(q, k):
-        rope._tables.clear()  # as before the tables: cos and sin from float64 angles every call
-        q2 = rope(q)
-        rope._tables.clear()
-        return q2 + rope(k)
+    def two_calls(q, k):
+        return torch.cat([rope(q), rope(k)], dim=1)
 
-    def cached(q, k):
-        return rope(q) + rope(k)
+    def one_call(q, k):
+        return rope(torch.cat([q, k], dim=1))
 
-    return fwd_bwd(recomputed, q, k), fwd_bwd(cached, q, k)
+    return fwd_bwd(two_calls, q, k), fwd_bwd(one_call, q, k)
+
+
+def layer_pair(B: int) -> tuple[Callable, Callable]:
+    torch.manual_seed(0)
+    plain = MultiHeadAttention(C, H, rope=RotaryEmbedding(D))
+    cpu = MultiHeadAttention(C, H, rope=RotaryEmbedding(D))
+    cpu.load_state_dict(plain.state_dict())
+    cpu.__class__ = CPUMultiHeadAttention  # what lib.cpu_kernels.apply does
+    x = leaf(B, 64, C)
+    return fwd_bwd(plain, x), fwd_bwd(cpu, x)
 
 
 def main() -> None:
@@ -130,7 +140,8 @@ def main() -> None:
         for T in (64, 128, 256):
             cases[f"attention B={B} T={T} (sdpa / bmm)"] = attention_pair(B, T)
         cases[f"qkv B={B} (three / stacked)"] = qkv_pair(B)
-        cases[f"rope q,k B={B} (recomputed / cached)"] = rope_pair(B)
+        cases[f"rope q,k B={B} (two calls / one)"] = rope_pair(B)
+        cases[f"layer B={B} (lib / cpu_kernels)"] = layer_pair(B)
         x = leaf(B, 64, C)
         cases[f"norm B={B} (rmsnorm / layernorm)"] = (fwd_bwd(RMSNorm(C), x),
                                                      fwd_bwd(LayerNorm(C, bias=False), x))
