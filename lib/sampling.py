@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lib.checks import check_int, check_number, check_token_ids
+from lib.checks import check_int, check_number, check_token_ids, eval_mode
 
 
 def check_sampling_args(temperature: float = 1.0, top_k: int | None = None,
@@ -184,9 +184,7 @@ def beam_search(model: torch.nn.Module, ids: torch.Tensor, beam_width: int,
     beams = ids  # (N, T + t): the unfinished sequences, best first
     scores = torch.zeros(1, dtype=torch.float64, device=ids.device)  # (N,) their log p
     finished = []  # (sequence, log p) of the sequences that ended with eos_id
-    was_training = model.training  # TEMP until the shared eval-mode helper exists
-    model.eval()
-    try:
+    with eval_mode(model):  # dropout off
         for _ in range(max_new_tokens):
             out = model(beams if ctx is None else beams[:, -ctx:])
             logits = (out[0] if isinstance(out, tuple) else out)[:, -1]  # (N, V)
@@ -200,8 +198,6 @@ def beam_search(model: torch.nn.Module, ids: torch.Tensor, beam_width: int,
             beams, scores = beams[~done], scores[~done]
             if len(beams) == 0:  # every candidate ended
                 break
-    finally:
-        model.train(was_training)
     pool = finished + list(zip(beams, scores.tolist()))
 
     def normalised(item: tuple[torch.Tensor, float]) -> float:
