@@ -46,7 +46,6 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from lib import data  # noqa: E402
-from lib.model import GPT  # noqa: E402
 from lib.profiles import cpu_profile  # noqa: E402
 from lib.tokenizers import CharTokenizer  # noqa: E402
 from lib.training import train  # noqa: E402
@@ -113,7 +112,7 @@ def train_book(seconds: float, seed: int, train_ids, val_ids, vocab_size: int) -
     calibration = dataclasses.replace(profile.train, max_steps=30, warmup_steps=5, eval_interval=30,
                                       eval_batches=1)
     torch.manual_seed(seed)
-    model = GPT(profile.model)
+    model = profile.new_model()  # with lib.cpu_kernels, as the profile asks
     train(model, train_ids, None, dataclasses.replace(calibration, max_steps=10), progress=False)  # warm
     start = time.perf_counter()  # (a first call in a process runs slower: allocations, thread start-up)
     train(model, train_ids, None, calibration, progress=False)
@@ -122,7 +121,7 @@ def train_book(seconds: float, seed: int, train_ids, val_ids, vocab_size: int) -
     config = dataclasses.replace(profile.train, max_steps=steps, eval_interval=steps, eval_batches=4,
                                  seed=seed)
     torch.manual_seed(seed)
-    model = GPT(profile.model)
+    model = profile.new_model()  # with lib.cpu_kernels, as the profile asks
     start = time.perf_counter()
     train(model, train_ids, None, config, progress=False)
     return score(model, val_ids), time.perf_counter() - start, steps
