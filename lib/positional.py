@@ -1,16 +1,17 @@
-"""Telling a transformer where each token sits: sinusoidal table, learned table, rotary embedding.
+"""Telling a transformer where each token sits: sinusoidal table, learned table, RoPE.
 
 Attention on its own treats its input as a set; these modules give it order.
 
-- :func:`sinusoidal_table` and :class:`SinusoidalPositionalEncoding`: a fixed vector per position,
-  added to the token embeddings (the original transformer).
-- :class:`LearnedPositionalEmbedding`: one trained vector per position, added the same way (GPT-2).
-  It knows only the positions it was built for.
-- :class:`RotaryEmbedding`: rotates queries and keys by position-dependent angles inside attention,
-  so that their dot product depends on relative position (RoPE, Llama). Optionally with a
-  frequency scaling for longer contexts, chosen by a ``rope_scaling`` dict: position interpolation,
-  NTK-aware base scaling (:func:`ntk_inv_freq`), YaRN (:func:`yarn_inv_freq`) or Llama 3's rule
-  (:func:`llama3_inv_freq`).
+- :func:`sinusoidal_table` and :class:`SinusoidalPositionalEncoding`: a fixed vector per
+  position, added to the token embeddings (the original transformer).
+- :class:`LearnedPositionalEmbedding`: one trained vector per position, added the same
+  way (GPT-2). It knows only the positions it was built for.
+- :class:`RotaryEmbedding`: rotates queries and keys by position-dependent angles inside
+  attention, so that their dot product depends on relative position (RoPE, Llama). Its
+  frequencies come from one function, :func:`rope_inv_freq`, optionally under a scaling
+  rule for longer contexts chosen by a ``rope_scaling`` dict
+  (:func:`check_rope_scaling`): position interpolation, the NTK-aware base change, YaRN
+  (:func:`yarn_inv_freq`) or Llama 3's rule (:func:`llama3_inv_freq`).
 """
 from __future__ import annotations
 
@@ -20,41 +21,30 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_base(base: object) -> float:
-    """``base`` as a finite float > 1, or a ValueError."""
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
-        raise ValueError(f"base must be a finite number > 1, got {base!r}")
-    return float(base)
+from lib.checks import check_choice, check_int, check_number
 
 
 def _check_even(name: str, value: object) -> int:
     """``value`` as a positive even int, or a ValueError naming ``name``."""
-    value = _check_int(name, value, 2)
+    value = check_int(name, value, 2)
     if value % 2:
-        raise ValueError(f"{name} must be even (dimensions come in sin/cos pairs), got {value}")
+        raise ValueError(f"{name} must be even (dimensions come in sin/cos pairs), "
+                         f"got {value}")
     return value
 
 
 def sinusoidal_table(n_positions: int, d_model: int, base: float = 10000.0) -> Tensor:
-    """The fixed sinusoidal encoding, shape ``(n_positions, d_model)``, float32, interleaved.
+    """The fixed sinusoidal encoding, ``(n_positions, d_model)``, float32, interleaved.
 
     ``PE[t, 2i] = sin(t / base^(2i/d))`` and ``PE[t, 2i+1] = cos(t / base^(2i/d))``.
     """
-    n_positions = _check_int("n_positions", n_positions, 1)
+    n_positions = check_int("n_positions", n_positions)
     d_model = _check_even("d_model", d_model)
-    base = _check_base(base)
-    # Angles in float64 so that large positions keep their digits; the table itself is float32.
-    t = torch.arange(n_positions, dtype=torch.float64)                               # (T,)
-    inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
-    angles = torch.outer(t, inv_freq)                                                 # (T, d/2)
+    base = check_number("base", base, low=1, low_open=True)
+    # Angles in float64 so that large positions keep their digits; the table is float32.
+    t = torch.arange(n_positions, dtype=torch.float64)                     # (T,)
+    i2 = torch.arange(0, d_model, 2, dtype=torch.float64)                  # 2i
+    angles = torch.outer(t, base ** (-i2 / d_model))                       # (T, d/2)
     table = torch.empty(n_positions, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles)
@@ -62,30 +52,33 @@ def sinusoidal_table(n_positions: int, d_model: int, base: float = 10000.0) -> T
 
 
 class SinusoidalPositionalEncoding(nn.Module):
-    """Sinusoidal encodings for positions ``0 … context_length-1``, kept as a (non-trained) buffer.
+    """Sinusoidal encodings for positions ``0 … context_length-1``, a (non-trained)
+    buffer.
 
-    ``forward(T, offset)`` returns rows ``offset … offset+T-1``. Being a formula, it also answers for
-    positions past ``context_length`` (computed on the fly), although a model never saw them.
+    ``forward(T, offset)`` returns rows ``offset … offset+T-1``. Being a formula, it
+    also answers for positions past ``context_length`` (computed on the fly), although a
+    model never saw them.
     """
 
-    def __init__(self, context_length: int, d_model: int, base: float = 10000.0) -> None:
+    def __init__(self, context_length: int, d_model: int,
+                 base: float = 10000.0) -> None:
         super().__init__()
-        self.context_length = _check_int("context_length", context_length, 1)
+        self.context_length = check_int("context_length", context_length)
         self.d_model = _check_even("d_model", d_model)
-        self.base = _check_base(base)
-        self.register_buffer("table", sinusoidal_table(context_length, d_model, base), persistent=False)
+        self.base = check_number("base", base, low=1, low_open=True)
+        table = sinusoidal_table(context_length, d_model, base)
+        self.register_buffer("table", table, persistent=False)
 
     def forward(self, T: int, offset: int = 0) -> Tensor:
         """Encodings of positions ``offset … offset+T-1``: shape ``(T, d_model)``."""
-        T = _check_int("T", T, 1)
-        offset = _check_int("offset", offset, 0)
         if offset + T <= self.context_length:
             return self.table[offset:offset + T]
         longer = sinusoidal_table(offset + T, self.d_model, self.base)
         return longer[offset:].to(device=self.table.device, dtype=self.table.dtype)
 
     def extra_repr(self) -> str:
-        return f"context_length={self.context_length}, d_model={self.d_model}, base={self.base:g}"
+        return (f"context_length={self.context_length}, d_model={self.d_model}, "
+                f"base={self.base:g}")
 
 
 class LearnedPositionalEmbedding(nn.Module):
@@ -96,10 +89,10 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, context_length: int, d_model: int) -> None:
         super().__init__()
-        self.context_length = _check_int("context_length", context_length, 1)
-        self.d_model = _check_int("d_model", d_model, 1)
+        self.context_length = check_int("context_length", context_length)
+        self.d_model = check_int("d_model", d_model)
         self.embedding = nn.Embedding(context_length, d_model)
-        nn.init.normal_(self.embedding.weight, mean=0.0, std=0.02)  # GPT-2's initialisation
+        nn.init.normal_(self.embedding.weight, mean=0.0, std=0.02)  # GPT-2's init
 
     @property
     def weight(self) -> Tensor:
@@ -108,256 +101,243 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, T: int, offset: int = 0) -> Tensor:
         """Embeddings of positions ``offset … offset+T-1``: shape ``(T, d_model)``."""
-        T = _check_int("T", T, 1)
-        offset = _check_int("offset", offset, 0)
         last = offset + T - 1
         if last >= self.context_length:
             raise ValueError(
-                f"positions {offset}..{last} requested, but a learned positional embedding only has "
-                f"positions 0..{self.context_length - 1} (context_length={self.context_length}); "
-                f"crop the sequence to at most {self.context_length} tokens")
+                f"positions {offset}..{last} requested, but a learned positional "
+                f"embedding "
+                f"only has positions 0..{self.context_length - 1} (context_length="
+                f"{self.context_length}); crop the sequence to at most "
+                f"{self.context_length} tokens")
         positions = torch.arange(offset, offset + T, device=self.weight.device)  # (T,)
-        return self.embedding(positions)                                         # (T, C)
+        return self.embedding(positions)                                  # (T, C)
 
     def extra_repr(self) -> str:
         return f"context_length={self.context_length}, d_model={self.d_model}"
 
 
-ROPE_SCALING_TYPES = ("llama3", "linear", "ntk", "yarn")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_SCALING_TYPES = ("linear", "ntk", "yarn", "llama3")
 # Keys of each rule besides "rope_type": (required, optional with their defaults).
 _SCALING_KEYS = {
-    "llama3": (_LLAMA3_KEYS, {}),
     "linear": (("factor",), {}),
     "ntk": (("factor",), {}),
-    "yarn": (("factor", "original_max_position_embeddings"), {"beta_fast": 32.0, "beta_slow": 1.0}),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             {"beta_fast": 32.0, "beta_slow": 1.0}),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"), {}),
 }
 
 
-def _check_positive(key: str, value: object) -> float:
-    """``rope_scaling[key]`` as a finite float > 0, or a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"rope_scaling['{key}'] must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 def check_rope_scaling(scaling: object) -> dict | None:
-    """A RoPE scaling setting, validated and normalised (a new dict), or None for plain RoPE.
+    """A RoPE scaling setting, validated and normalised (a new dict); None: plain RoPE.
 
-    ``rope_type`` picks the rule; every rule has a ``factor`` >= 1 (how many times longer the new
-    context is than the one the model was trained at):
+    ``rope_type`` picks the rule; every rule has a ``factor`` >= 1 (how many times
+    longer the new context is than the one the model was trained at). "linear", "yarn"
+    and "llama3" are Hugging Face's rope types and compute what
+    ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` computes (tested); "ntk" is
+    not one of them:
 
-    - ``"linear"``: position interpolation (Chen et al. 2023), every frequency divided by ``factor``.
-    - ``"ntk"``: NTK-aware base scaling, the base raised so that the slowest frequency is divided
-      by ``factor`` and the fastest is kept (:func:`ntk_inv_freq`).
-    - ``"yarn"``: YaRN (Peng et al. 2023), needs ``original_max_position_embeddings``; optional
-      ``beta_fast`` (32) and ``beta_slow`` (1) bound the blend (:func:`yarn_inv_freq`), plus an
-      attention temperature (:func:`rope_attention_factor`).
-    - ``"llama3"``: Llama 3's rule, ``{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}`` (Llama 3.2's values); see
-      :func:`llama3_inv_freq`.
+    - ``"linear"``: position interpolation (Chen et al. 2023), frequencies / ``factor``.
+    - ``"ntk"``: the NTK-aware base change (bloc97, 2023), the base multiplied by
+      ``factor ** (D / (D - 2))``; Hugging Face's "dynamic" recomputes that base from
+      the current length at every call instead.
+    - ``"yarn"``: YaRN (Peng et al. 2023), needs ``original_max_position_embeddings``;
+      optional ``beta_fast`` (32) and ``beta_slow`` (1) bound the blend
+      (:func:`yarn_inv_freq`), plus an attention factor (:func:`rope_attention_factor`).
+    - ``"llama3"``: Meta's ``apply_scaling`` for Llama 3.1+, e.g. Llama 3.2's
+      ``{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``
+      (:func:`llama3_inv_freq`).
     """
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise TypeError(f"rope_scaling must be None or a dict, got {type(scaling).__name__}")
-    rope_type = scaling.get("rope_type")
-    if rope_type not in ROPE_SCALING_TYPES:
-        raise ValueError(f"rope_scaling['rope_type'] must be one of {ROPE_SCALING_TYPES}, got {rope_type!r}")
+        raise TypeError(f"rope_scaling must be None or a dict, "
+                        f"got {type(scaling).__name__}")
+    rope_type = check_choice("rope_scaling['rope_type']", scaling.get("rope_type"),
+                             ROPE_SCALING_TYPES)
     required, optional = _SCALING_KEYS[rope_type]
-    allowed = {"rope_type", *required, *optional}
-    missing, unknown = set(required) - set(scaling), set(scaling) - allowed
+    missing = set(required) - set(scaling)
+    unknown = set(scaling) - {"rope_type", *required, *optional}
     if missing or unknown:
-        raise ValueError(f"rope_scaling of type {rope_type!r} needs the keys {sorted(['rope_type', *required])} "
-                         f"(optional: {sorted(optional)}); missing {sorted(missing)}, unknown {sorted(unknown)}")
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs the keys "
+                         f"{sorted(required)} "
+                         f"(optional: {sorted(optional)}); missing {sorted(missing)}, "
+                         f"unknown {sorted(unknown)}")
     out: dict = {"rope_type": rope_type}
     for key in (*required, *optional):
+        name, value = f"rope_scaling['{key}']", scaling.get(key, optional.get(key))
         if key == "original_max_position_embeddings":
-            out[key] = _check_int(f"rope_scaling['{key}']", scaling[key], 1)
+            out[key] = check_int(name, value)
         else:
-            out[key] = _check_positive(key, scaling.get(key, optional.get(key)))
-    if out["factor"] < 1:
-        raise ValueError(f"rope_scaling['factor'] must be >= 1 (it stretches wavelengths), got {out['factor']}")
-    for low, high in (("low_freq_factor", "high_freq_factor"), ("beta_slow", "beta_fast")):
+            out[key] = check_number(name, value, low=1 if key == "factor" else 0,
+                                    low_open=key != "factor")
+    for low, high in (("low_freq_factor", "high_freq_factor"),
+                      ("beta_slow", "beta_fast")):
         if low in out and out[high] <= out[low]:
-            raise ValueError(f"rope_scaling['{high}'] must be > rope_scaling['{low}'], got "
-                             f"{out[high]} and {out[low]}")
+            raise ValueError(f"rope_scaling['{high}'] must be > rope_scaling['{low}'], "
+                             f"got {out[high]} and {out[low]}")
     return out
 
 
-def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+def llama3_inv_freq(inv_freq: Tensor, factor: float, low_freq_factor: float,
+                    high_freq_factor: float,
                     original_max_position_embeddings: int) -> Tensor:
-    """Llama 3's RoPE frequency scaling: stretch the slow rotations, keep the fast ones.
+    """Llama 3's RoPE frequency scaling (Meta's ``apply_scaling``): stretch the slow
+    rotations, keep the fast ones.
 
-    With ``L = original_max_position_embeddings`` (the context the model was first trained at) and
-    each frequency's wavelength ``2*pi / inv_freq``: wavelengths shorter than ``L / high_freq_factor``
-    keep their frequency; wavelengths longer than ``L / low_freq_factor`` have it divided by
-    ``factor``; in between the frequency blends the two, linearly in ``L / wavelength``. Same shape
-    and dtype as ``inv_freq``.
+    With ``L = original_max_position_embeddings`` (the context the model was first
+    trained at) and each frequency's wavelength ``2*pi / inv_freq``: wavelengths shorter
+    than ``L / high_freq_factor`` keep their frequency; wavelengths longer than ``L /
+    low_freq_factor`` have it divided by ``factor``; in between the frequency blends the
+    two, linearly in ``L / wavelength`` (the turns within ``L``). Same shape and dtype
+    as ``inv_freq``.
     """
     wavelength = 2 * math.pi / inv_freq
     L = original_max_position_embeddings
-    smooth = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)  # 0 slow .. 1 fast
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    smooth = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq    # 0 slow .. 1 fast
     out = torch.where(wavelength < L / high_freq_factor, inv_freq, blended)
     return torch.where(wavelength > L / low_freq_factor, inv_freq / factor, out)
 
 
-def ntk_inv_freq(inv_freq: Tensor, factor: float) -> Tensor:
-    """NTK-aware scaling: the frequencies of base ``base * factor^(D/(D-2))`` instead of ``base``.
+def yarn_inv_freq(head_dim: int, base: float, factor: float,
+                  original_max_position_embeddings: int, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0) -> Tensor:
+    """YaRN's "NTK-by-parts" frequencies, as YaRN's reference code and Hugging Face
+    compute them.
 
-    With ``n = D/2`` frequencies ``inv_freq[i] = base^(-i/n)``, the new base multiplies frequency
-    ``i`` by ``factor^(-i/(n-1))``: the fastest pair (``i = 0``) keeps its frequency, the slowest
-    (``i = n-1``) is divided by exactly ``factor``, and those between are divided by a geometric
-    blend. Written on ``inv_freq`` directly, so the base need not be known. Same shape and dtype.
+    Pair ``i`` turns ``L * theta_i / (2*pi)`` times within ``L =
+    original_max_position_embeddings``, fewer for larger ``i``. ``low`` is the pair
+    index (rounded down) that turns ``beta_fast`` times, ``high`` the one (rounded up)
+    that turns ``beta_slow`` times. Pairs up to ``low`` keep their frequency, pairs from
+    ``high`` on have it divided by ``factor``, and between them the blend is linear in
+    the pair index. Returns ``(head_dim/2,)`` float64.
     """
-    n = inv_freq.shape[-1]
-    i = torch.arange(n, dtype=inv_freq.dtype, device=inv_freq.device)
-    return inv_freq * factor ** (-i / max(n - 1, 1))
+    L = original_max_position_embeddings
 
+    def pair_turning(turns: float) -> float:  # the (fractional) pair making that many
+        return head_dim * math.log(L / (2 * math.pi * turns)) / (2 * math.log(base))
 
-def yarn_inv_freq(inv_freq: Tensor, factor: float, original_max_position_embeddings: int,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> Tensor:
-    """YaRN's "NTK-by-parts" frequencies (Peng et al. 2023), in the paper's form.
-
-    ``r = L / wavelength`` counts the turns a pair makes within the original context ``L``. Pairs
-    with ``r < beta_slow`` are interpolated (frequency divided by ``factor``), pairs with
-    ``r > beta_fast`` are kept, and between them the frequency blends the two with weight
-    ``(r - beta_slow) / (beta_fast - beta_slow)`` on the kept one. Llama 3's rule is this blend
-    with ``beta_slow = low_freq_factor`` and ``beta_fast = high_freq_factor``. Same shape and dtype.
-    """
-    turns = original_max_position_embeddings * inv_freq / (2 * math.pi)   # r, turns within L
-    keep = ((turns - beta_slow) / (beta_fast - beta_slow)).clamp(0, 1)     # 0 interpolate .. 1 keep
-    return (1 - keep) * inv_freq / factor + keep * inv_freq
+    low = max(math.floor(pair_turning(beta_fast)), 0)
+    high = min(math.ceil(pair_turning(beta_slow)), head_dim - 1)
+    high = high + 0.001 if high == low else high               # as the reference does
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    stretch = ((i - low) / (high - low)).clamp(0, 1)           # 0 keep .. 1 interpolate
+    theta = rope_inv_freq(head_dim, base)
+    return (1 - stretch) * theta + stretch * theta / factor
 
 
 def rope_attention_factor(scaling: dict | None) -> float:
     """The factor by which a scaling rule multiplies cos and sin (so q·k by its square).
 
-    YaRN's temperature: ``0.1 * ln(factor) + 1``, which sharpens attention that longer contexts
-    would spread out; 1.0 for every other rule and for plain RoPE.
+    YaRN's ``0.1 * ln(factor) + 1``, which sharpens attention that longer contexts would
+    spread out; 1.0 for every other rule and for plain RoPE.
     """
-    scaling = check_rope_scaling(scaling)
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     return 0.1 * math.log(scaling["factor"]) + 1.0
 
 
-def scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
-    """``inv_freq`` under the scaling rule ``scaling`` names (see :func:`check_rope_scaling`); None: unchanged."""
-    scaling = check_rope_scaling(scaling)
+def rope_inv_freq(head_dim: int, base: float = 10000.0,
+                  scaling: dict | None = None) -> Tensor:
+    """RoPE's frequencies ``theta_i = base^(-2i/D)``, ``i = 0 … D/2-1``, float64, under
+    the rule ``scaling`` names (a dict from :func:`check_rope_scaling`; None: plain
+    RoPE)."""
+    theta = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is None:
-        return inv_freq
-    rope_type = scaling["rope_type"]
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "ntk":
-        return ntk_inv_freq(inv_freq, scaling["factor"])
-    if rope_type == "yarn":
-        return yarn_inv_freq(inv_freq, **{k: v for k, v in scaling.items() if k != "rope_type"})
-    return llama3_inv_freq(inv_freq, **{k: scaling[k] for k in _LLAMA3_KEYS})
+        return theta
+    rule = {k: v for k, v in scaling.items() if k != "rope_type"}
+    if scaling["rope_type"] == "linear":
+        return theta / rule["factor"]
+    if scaling["rope_type"] == "ntk":
+        ntk_base = base * rule["factor"] ** (head_dim / (head_dim - 2))
+        return rope_inv_freq(head_dim, ntk_base)
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(head_dim, base, **rule)
+    return llama3_inv_freq(theta, **rule)
 
 
 def rotate_half(x: Tensor) -> Tensor:
-    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension (a 90° turn of each pair)."""
+    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension: a 90° turn of
+    each pair."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((-x2, x1), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoPE) for queries and keys, half-split ("rotate_half") layout.
+    """Rotary position embedding (RoPE) for queries and keys, half-split layout.
 
     Dimension ``i`` and dimension ``i + D/2`` form a pair that is rotated by the angle
-    ``position * base^(-2i/D)``. Rotating both queries and keys makes ``q·k`` depend only on the
-    distance between their positions. Angles, cos and sin are computed in float64 (as
-    :func:`sinusoidal_table` does) and rounded once, to the input's dtype. ``scaling`` (None: plain
-    RoPE) rescales the frequencies, e.g. Llama 3's rule (:func:`check_rope_scaling`); YaRN also
-    multiplies cos and sin by :func:`rope_attention_factor`.
+    ``position * base^(-2i/D)``. Rotating both queries and keys makes ``q·k`` depend
+    only on the distance between their positions. ``scaling`` (None: plain RoPE)
+    rescales the frequencies (:func:`check_rope_scaling`); YaRN also multiplies cos and
+    sin by :func:`rope_attention_factor`.
+
+    cos and sin of positions ``0 … context_length-1`` are computed once, in float64 (a
+    float32 angle near position 100,000 is off by ~0.004 rad), and kept as float32
+    buffers that move with the module. A model owns one and shares it among its blocks.
+    Later positions are computed the same way when asked for.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0, scaling: dict | None = None) -> None:
+    def __init__(self, head_dim: int, base: float = 10000.0,
+                 scaling: dict | None = None, context_length: int = 4096) -> None:
         super().__init__()
         self.head_dim = _check_even("head_dim", head_dim)
-        self.base = _check_base(base)
+        self.base = check_number("base", base, low=1, low_open=True)
         self.scaling = check_rope_scaling(scaling)
-        self.attention_factor = rope_attention_factor(self.scaling)  # 1.0 except for YaRN
-        inv_freq = self.base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        inv_freq = scale_inv_freq(inv_freq, self.scaling)
-        # (D/2,) float32, for inspection and to follow the module's device; the angles recompute
-        # the frequencies in float64.
+        self.context_length = check_int("context_length", context_length)
+        self.attention_factor = rope_attention_factor(self.scaling)  # 1.0 except YaRN
+        inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)  # float64
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        # cos and sin tables already computed, per (device, dtype): positions 0 ... n-1, grown on
-        # demand. Training asks for the same positions at every step of every layer; without the
-        # tables each call would redo the float64 trigonometry (a large part of a small model's
-        # CPU step, measured in docs/benchmarks.md).
-        self._tables: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        cos, sin = self._cos_sin64(torch.arange(context_length))
+        self.register_buffer("cos", cos.float(), persistent=False)           # (ctx, D)
+        self.register_buffer("sin", sin.float(), persistent=False)
+
+    def _cos_sin64(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin ``(P, D)`` of ``positions (P,)``, in float64."""
+        angles = self._angles64(positions)
+        angles = torch.cat((angles, angles), dim=-1)  # dims i, i + D/2: one angle
+        factor = self.attention_factor
+        return angles.cos() * factor, angles.sin() * factor
 
     def _angles64(self, positions: Tensor) -> Tensor:
-        """``positions (P,) -> (P, D/2)`` angles in float64, on the buffers' device (CPU for MPS,
-        which has no float64). A float32 angle near position 100,000 is off by ~0.004 rad."""
-        device = self.inv_freq.device
-        device = torch.device("cpu") if device.type == "mps" else device
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
-        inv_freq = scale_inv_freq(self.base ** -exponents, self.scaling)    # (D/2,), float64
-        return torch.outer(positions.to(device, torch.float64), inv_freq)    # (P, D/2)
+        """``positions (P,) -> (P, D/2)`` angles ``position * theta_i`` in float64."""
+        inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
+        return torch.outer(positions.to(inv_freq.device, torch.float64), inv_freq)
 
-    def angles(self, positions: Tensor | Sequence[int] | int) -> Tensor:
-        """Rotation angles, shape ``(P, D/2)``: entry ``[p, i] = positions[p] * base^(-2i/D)``.
+    def angles(self, positions: Tensor | Sequence[float] | int) -> Tensor:
+        """Rotation angles, shape ``(P, D/2)``: entry ``[p, i] = positions[p] *
+        theta_i``.
 
-        ``positions`` is a 1-D tensor or sequence of positions, or an int ``n`` meaning ``0 … n-1``.
-        Computed in float64, returned as float32.
+        ``positions`` is a 1-D tensor or sequence of positions, or an int ``n`` meaning
+        ``0 … n-1``. Computed in float64, returned as float32.
         """
-        if isinstance(positions, int) and not isinstance(positions, bool):
-            positions = torch.arange(_check_int("positions", positions, 1))
-        elif not isinstance(positions, Tensor):
-            if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence):
-                raise TypeError(f"positions must be an int, a sequence or a 1-D tensor, got "
-                                f"{type(positions).__name__}")
-            positions = torch.tensor(positions)
-        if positions.ndim != 1 or positions.is_complex() or positions.dtype == torch.bool:
-            raise ValueError(f"positions must be a 1-D real tensor, got shape {tuple(positions.shape)} "
-                             f"and dtype {positions.dtype}")
+        if isinstance(positions, int):
+            positions = torch.arange(check_int("positions", positions))
+        positions = torch.as_tensor(positions)
+        if positions.ndim != 1:
+            raise ValueError(f"positions must be 1-D, got shape "
+                             f"{tuple(positions.shape)}")
         return self._angles64(positions).float().to(self.inv_freq.device)
 
-    def cos_sin(self, T: int, offset: int = 0, device: torch.device | str | None = None,
-                dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """cos and sin of the angles for positions ``offset … offset+T-1``, each ``(T, D)``, in
-        ``dtype`` (float32 by default).
-
-        Angles, cos and sin are computed in float64 and only then rounded to ``dtype``: a float32
-        angle at position 100,000 would already be off by about 0.004 rad.
-        """
-        T = _check_int("T", T, 1)
-        offset = _check_int("offset", offset, 0)
-        device = torch.device(self.inv_freq.device if device is None else device)
-        cos, sin = self._tables.get((device, dtype), (None, None))
-        if cos is None or len(cos) < offset + T:  # compute (twice as many as needed) and keep
-            n = max(2 * (offset + T), 0 if cos is None else 2 * len(cos))
-            angles = self._angles64(torch.arange(n, device=self.inv_freq.device))  # (n, D/2)
-            angles = torch.cat((angles, angles), dim=-1)  # (n, D): dims i, i + D/2 share an angle
-            cos, sin = angles.cos(), angles.sin()
-            if self.attention_factor != 1.0:  # YaRN's temperature: q·k scaled by its square
-                cos, sin = cos * self.attention_factor, sin * self.attention_factor
-            cos, sin = cos.to(device, dtype), sin.to(device, dtype)
-            self._tables[(device, dtype)] = (cos, sin)
-        return cos[offset:offset + T], sin[offset:offset + T]  # (T, D) each
+    def cos_sin(self, T: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """cos and sin of positions ``offset … offset+T-1``, each ``(T, D)``, in the
+        buffers' dtype; from the tables, or computed the same way past
+        ``context_length``."""
+        if offset + T <= self.context_length:
+            return self.cos[offset:offset + T], self.sin[offset:offset + T]
+        cos, sin = self._cos_sin64(torch.arange(offset, offset + T))
+        return cos.to(self.cos), sin.to(self.sin)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Rotate ``x`` of shape ``(B, H, T, D)`` (any ``(..., T, D)``) by positions ``offset … offset+T-1``."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.ndim < 2 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"x must have shape (..., T, head_dim={self.head_dim}), got {tuple(x.shape)}")
-        if not x.is_floating_point():
-            raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        offset = _check_int("offset", offset, 0)
-        T = x.shape[-2]
-        if T == 0:
-            return x
-        cos, sin = self.cos_sin(T, offset, device=x.device, dtype=x.dtype)  # (T, D) each
-        return x * cos + rotate_half(x) * sin                      # (..., T, D)
+        """Rotate ``x (..., T, D)`` by positions ``offset … offset+T-1``."""
+        cos, sin = self.cos_sin(x.shape[-2], offset)                  # (T, D) each
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + rotate_half(x) * sin                         # (..., T, D)
 
     def extra_repr(self) -> str:
         scaling = "" if self.scaling is None else f", scaling={self.scaling}"
-        return f"head_dim={self.head_dim}, base={self.base:g}{scaling}"
+        return (f"head_dim={self.head_dim}, base={self.base:g}, "
+                f"context_length={self.context_length}{scaling}")

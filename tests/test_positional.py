@@ -3,8 +3,14 @@ import math
 import pytest
 import torch
 
-from lib.positional import (LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
-                            rotate_half, sinusoidal_table)
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from lib.config import LLAMA3_ROPE_SCALING, GPTConfig
+from lib.model import GPT
+from lib.positional import (LearnedPositionalEmbedding, RotaryEmbedding,
+                            SinusoidalPositionalEncoding, check_rope_scaling, rope_attention_factor,
+                            rope_inv_freq, rotate_half, sinusoidal_table)
 
 
 # ---------------------------------------------------------------- sinusoidal
@@ -68,10 +74,7 @@ def test_sinusoidal_module_rows_offset_and_beyond_table():
     assert not list(pe.parameters()) and "table" not in pe.state_dict()  # a buffer, not trained
 
 
-@pytest.mark.parametrize("args, name", [((0,), "T"), ((2.5,), "T"), ((3, -1), "offset"), ((3, 1.0), "offset")])
-def test_sinusoidal_module_rejects_bad_arguments(args, name):
-    with pytest.raises(ValueError, match=name):
-        SinusoidalPositionalEncoding(8, 4)(*args)
+def test_sinusoidal_module_rejects_bad_arguments():
     with pytest.raises(ValueError, match="d_model"):
         SinusoidalPositionalEncoding(8, 3)
     with pytest.raises(ValueError, match="context_length"):
@@ -106,10 +109,8 @@ def test_learned_embedding_rejects_bad_arguments():
     with pytest.raises(ValueError, match="d_model"):
         LearnedPositionalEmbedding(4, -1)
     emb = LearnedPositionalEmbedding(4, 2)
-    with pytest.raises(ValueError, match="T"):
-        emb(0)
-    with pytest.raises(ValueError, match="offset"):
-        emb(1, offset=-1)
+    with pytest.raises(ValueError, match="positions"):
+        emb(5)
 
 
 # ---------------------------------------------------------------- rotary
@@ -204,20 +205,116 @@ def test_rope_rejects_bad_arguments():
     with pytest.raises(ValueError, match="base"):
         RotaryEmbedding(8, base=0.5)
     rope = RotaryEmbedding(8)
-    with pytest.raises(ValueError, match="head_dim=8"):
-        rope(torch.randn(1, 1, 3, 6))
-    with pytest.raises(ValueError, match="shape"):
-        rope(torch.randn(8))
-    with pytest.raises(ValueError, match="floating"):
-        rope(torch.ones(1, 1, 3, 8, dtype=torch.long))
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        rope([[0.0] * 8])
-    with pytest.raises(ValueError, match="offset"):
-        rope(torch.randn(1, 1, 3, 8), offset=-2)
     with pytest.raises(ValueError, match="positions"):
         rope.angles(torch.zeros(2, 2))
-    with pytest.raises(TypeError, match="positions"):
+    with pytest.raises(TypeError):
         rope.angles("abc")
+
+
+def test_rope_table_past_its_context_is_computed_the_same_way():
+    short, long = RotaryEmbedding(16, context_length=8), RotaryEmbedding(16, context_length=64)
+    for T, offset in ((8, 0), (5, 6), (10, 40)):
+        for a, b in zip(short.cos_sin(T, offset), long.cos_sin(T, offset)):
+            assert torch.equal(a, b)
+    x = torch.randn(1, 2, 20, 16)
+    assert torch.equal(short(x, offset=3), long(x, offset=3))
+
+
+def test_a_model_has_one_rope_table_shared_by_its_blocks_and_moved_with_it():
+    config = GPTConfig.tiny(vocab_size=11, positions="rope", context_length=32, n_layers=3)
+    model = GPT(config)
+    ropes = {id(block.attn.rope) for block in model.blocks}
+    assert len(ropes) == 1 and model.blocks[0].attn.rope.cos.shape == (32, config.head_dim)
+    assert not any("rope" in key for key in model.state_dict())
+    half = model.to(torch.bfloat16).blocks[2].attn.rope
+    assert half.cos.dtype == torch.bfloat16 and model.blocks[0].attn.rope is half
+
+
+# ---------------------------------------------------------------- scaling rules vs transformers
+
+def hf_inv_freq(head_dim: int, base: float, scaling: dict, L: int) -> tuple[torch.Tensor, float]:
+    """transformers' frequencies and attention factor for a rope type (its own code)."""
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                         max_position_embeddings=4 * L,
+                         rope_parameters={"rope_theta": base, **scaling})
+    return ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+
+
+SHAPES = [(32, 10000.0, 64, 4.0), (64, 500000.0, 8192, 32.0), (128, 10000.0, 4096, 8.0),
+          (16, 10000.0, 128, 2.0), (64, 10000.0, 2048, 16.0)]
+
+
+@pytest.mark.parametrize("D, base, L, s", SHAPES)
+@pytest.mark.parametrize("rope_type", ["linear", "yarn", "llama3"])
+def test_scaling_rules_equal_transformers(D, base, L, s, rope_type):
+    scaling = {"linear": {"rope_type": "linear", "factor": s},
+               "yarn": {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L},
+               "llama3": {"rope_type": "llama3", "factor": s, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": L},
+               }[rope_type]
+    theirs, their_factor = hf_inv_freq(D, base, scaling, L)
+    rope = RotaryEmbedding(D, base, scaling, context_length=16)
+    torch.testing.assert_close(rope.inv_freq, theirs, rtol=1e-6, atol=0)   # float32 there
+    assert math.isclose(rope.attention_factor, their_factor, rel_tol=1e-12)
+    cos, sin = rope.cos_sin(16)
+    torch.testing.assert_close(cos.pow(2) + sin.pow(2), torch.full_like(cos, their_factor ** 2))
+
+
+def test_yarn_ramps_in_the_pair_index_not_in_turns():
+    """D=32, L=64, s=4: pair 0 turns 10.2 times within L, fewer than beta_fast=32, yet the
+    shipped rule keeps it: the ramp runs over the pair index from floor(i(32)) = 0 to
+    ceil(i(1)) = 5, so pair 1 is a fifth of the way to interpolated."""
+    scaling = check_rope_scaling({"rope_type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 64})
+    slowed = rope_inv_freq(32) / rope_inv_freq(32, scaling=scaling)
+    assert slowed[0].item() == pytest.approx(1.0)
+    assert slowed[1].item() == pytest.approx(1 / (1 - 0.2 * 0.75), rel=1e-9)
+    assert slowed[-1].item() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("D, base, L, s", SHAPES)
+def test_ntk_is_the_base_change_and_transformers_dynamic_at_s_times_L(D, base, L, s):
+    """NTK-aware: plain RoPE with base * s^(D/(D-2)); transformers' "dynamic" rule computes
+    that base when the sequence reaches s*L with factor 1."""
+    ours = rope_inv_freq(D, base, {"rope_type": "ntk", "factor": s})
+    written = (base * s ** (D / (D - 2))) ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    torch.testing.assert_close(ours, written, rtol=1e-12, atol=0)
+    config = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, head_dim=D,
+                         max_position_embeddings=L,
+                         rope_parameters={"rope_theta": base, "rope_type": "dynamic", "factor": 1.0})
+    dynamic, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=int(s * L))
+    torch.testing.assert_close(ours.float(), dynamic, rtol=1e-6, atol=0)
+    assert ours[0] == written[0] == 1.0 and math.isclose(ours[-1] * s, rope_inv_freq(D, base)[-1])
+
+
+def test_check_rope_scaling_fills_yarn_defaults():
+    out = check_rope_scaling({"rope_type": "yarn", "factor": 2,
+                              "original_max_position_embeddings": 64})
+    assert out == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                   "beta_fast": 32.0, "beta_slow": 1.0}
+    assert rope_attention_factor(out) == pytest.approx(0.1 * math.log(2) + 1)
+    assert rope_attention_factor(None) == 1.0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"rope_type": "ntk"}, "factor"),
+    ({"rope_type": "linear", "factor": 0.5}, "factor"),
+    ({"rope_type": "linear", "factor": 2, "beta_fast": 3}, "unknown"),
+    ({"rope_type": "yarn", "factor": 2}, "original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 64, "beta_fast": 1,
+      "beta_slow": 2}, "beta_fast"),
+    ({"rope_type": "dynamic", "factor": 2}, "rope_type"),
+    ({"rope_type": "ntk", "factor": True}, "factor"),
+])
+def test_bad_rope_scaling(bad, match):
+    with pytest.raises(ValueError, match=match):
+        check_rope_scaling(bad)
+
+
+def test_llama_style_preset_uses_llama3_scaling():
+    config = GPTConfig.llama_style()
+    assert config.rope_scaling == check_rope_scaling(LLAMA3_ROPE_SCALING)
+    assert config.context_length == 131072
 
 
 def test_rope_angles_stay_accurate_at_large_positions():
