@@ -18,6 +18,7 @@ endif
 ifneq ($(wildcard $(SHARED)/tiktoken_cache),)
 export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tiktoken_cache
 endif
+# The kernels of `make execute` run with these; pytest sets the same in conftest.py.
 export MPLBACKEND := Agg
 export PYTHONHASHSEED := 0
 
@@ -33,27 +34,27 @@ $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt
 	$(BIN)/python -m pip install --quiet -r requirements-lock.txt
 	@touch $@
 
+# _ext/book_sphinx.py fetches MathJax when the build starts, so this is a plain
+# `jupyter-book build .` plus strictness (warnings are errors) and tools/check_build.py.
 book: $(STAMP)
-	$(BIN)/python tools/fetch_mathjax.py
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 	$(BIN)/python tools/check_build.py _build/html
 	@echo "Book built: open _build/html/index.html"
 
 # Unit tests in two workers (small tensors, one thread each); the chapters one at a time: two
 # notebooks at once on CI's two cores, each with torch's two threads, oversubscribe the CPU badly
-# enough that a training cell ran past nbval's 600 s cell timeout.
+# enough that a training cell ran past nbval's 600 s cell timeout. pytest.ini and conftest.py hold
+# the nbval options and the kernels' environment, so `pytest --nbval chapters/` runs the same way.
 test: $(STAMP)
 	$(BIN)/python tools/warm_model_cache.py
-	$(BIN)/python -m pytest -n 2 tests -p no:cacheprovider
-	$(BIN)/python -m pytest $(NOTEBOOKS) --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 -p no:cacheprovider
+	$(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest --nbval $(NOTEBOOKS)
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest tests -p no:cacheprovider
+	$(BIN)/python -m pytest tests
 
 nbval: $(STAMP)
-	$(BIN)/python -m pytest $(or $(NB),$(NOTEBOOKS)) --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 -p no:cacheprovider
+	$(BIN)/python -m pytest --nbval $(or $(NB),$(NOTEBOOKS))
 
 # Re-execute notebooks in place so their committed outputs match the code (NB=chapters/01_tokens.ipynb for one).
 execute: $(STAMP)

@@ -1,0 +1,94 @@
+"""The two commands a reader of any Jupyter Book knows, run the way a reader runs them: on a fresh
+copy of the repository (what `git clone` gives: the tracked files and nothing built), from its root,
+with the virtual environment's tools on PATH and without any variable the Makefile sets.
+
+- `jupyter-book build .` must succeed without a warning and serve MathJax from the build: every page
+  with math loads it exactly once, from a file that exists (tools/check_build.py, which `make book`
+  also runs).
+- `pytest --nbval <chapter>` must pass: pytest.ini and conftest.py supply what `make test` used to
+  pass on its command line (sanitizer, kernel, timeout, matplotlib backend, hash seed, the data
+  copies in ../shared). One short chapter stands for all of them: CI runs every chapter with the
+  same configuration through `make test`. Chapter 01 reads both TinyShakespeare and tiktoken's
+  files, so it also proves the ../shared lookup.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the virtual environment a reader would have activated
+CHAPTER = "chapters/01_tokens.ipynb"
+# What the Makefile exports (and what pytest, pytest-xdist and make put into a child's environment).
+MAKEFILE_VARIABLES = ("MPLBACKEND", "PYTHONHASHSEED", "GPTBOOK_DATA", "TIKTOKEN_CACHE_DIR")
+CHILD_PREFIXES = ("PYTEST_", "MAKE", "MFLAGS")
+
+
+def reader_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in MAKEFILE_VARIABLES and not k.startswith(CHILD_PREFIXES)}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, env=reader_env(), capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.fixture(scope="module")
+def fresh_copy(tmp_path_factory) -> Path:
+    """The working tree's files as a clone would have them (tracked, plus new files not ignored:
+    work in progress counts), in <tmp>/book, with <tmp>/shared the data copies when they exist."""
+    work = tmp_path_factory.mktemp("reader")
+    repo = work / "book"
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the working tree is not copied
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, repo / name)
+    if (ROOT.parent / "shared").is_dir():
+        (work / "shared").symlink_to(ROOT.parent / "shared")
+    assert not (repo / "_build").exists() and not (repo / "_mathjax").exists()
+    return repo
+
+
+def test_reader_env_has_no_makefile_variables():
+    env = reader_env()
+    assert not set(MAKEFILE_VARIABLES) & set(env)
+    assert env["PATH"].split(os.pathsep)[0] == str(BIN)
+
+
+def test_bare_book_build_serves_mathjax(fresh_copy):
+    done = run(["jupyter-book", "build", "."], fresh_copy)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert "build succeeded." in log, re.findall(r".*WARNING.*", log)[:10]  # "succeeded, N warnings"
+    html = fresh_copy / "_build" / "html"
+    spec = importlib.util.spec_from_file_location("check_build", ROOT / "tools" / "check_build.py")
+    check_build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_build)
+    assert check_build.check(html) == []
+    # The chapter a reader opens first for equations: one MathJax script, and it is there to load.
+    page = html / "chapters" / "04_attention.html"
+    text = page.read_text(encoding="utf-8")
+    assert 'class="math' in text
+    (src,) = re.findall(r'<script[^>]*src="([^"]*mathjax[^"]*)"', text, re.I)
+    served = (page.parent / src.split("?")[0]).resolve()
+    assert served.is_file() and served.stat().st_size > 0, src
+    assert served.is_relative_to(html.resolve()), src
+
+
+def test_bare_nbval_passes(fresh_copy):
+    done = run(["pytest", "--nbval", CHAPTER], fresh_copy)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    assert re.search(r"\d+ passed", done.stdout) and "failed" not in done.stdout
