@@ -49,8 +49,11 @@ def fresh_copy(tmp_path_factory) -> Path:
     work in progress counts), in <tmp>/book, with <tmp>/shared the data copies when they exist."""
     work = tmp_path_factory.mktemp("reader")
     repo = work / "book"
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"needs a git checkout to know which files a clone has ({exc})")
     for name in filter(None, listed.split("\0")):
         source = ROOT / name
         if source.is_file():  # a tracked file deleted in the working tree is not copied
