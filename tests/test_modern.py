@@ -30,7 +30,7 @@ def test_qk_norm_matches_written_out_attention():
         attn.q_norm.weight.uniform_(0.5, 1.5)
         attn.k_norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 5, 16)
-    out, _ = attn(x)
+    out = attn(x)  # MultiHeadAttention returns the output alone
     q = attn.q_proj(x).view(2, 5, 4, 4).transpose(1, 2)
     k = attn.k_proj(x).view(2, 5, 4, 4).transpose(1, 2)
     v = attn.v_proj(x).view(2, 5, 4, 4).transpose(1, 2)
