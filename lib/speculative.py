@@ -79,10 +79,11 @@ def speculative_decode(target: nn.Module, draft: nn.Module, ids: torch.Tensor,
     whole sequence (no KV cache).
 
     Returns ``(ids (1, T + max_new_tokens), stats)``; ``stats`` counts ``rounds``
-    (target passes), ``proposed`` and ``accepted`` draft tokens.
+    (target passes), ``proposed`` and ``accepted`` draft tokens, and ``rejected`` ones: a
+    round stops at its first rejection, so ``accepted + rejected`` proposals were checked.
     """
     _check_decode(target, draft, ids, max_new_tokens, k, temperature)
-    stats = {"rounds": 0, "proposed": 0, "accepted": 0}
+    stats = {"rounds": 0, "proposed": 0, "accepted": 0, "rejected": 0}
     goal = ids.size(1) + max_new_tokens
     with eval_mode(target), eval_mode(draft):
         while ids.size(1) < goal:
@@ -99,6 +100,7 @@ def speculative_decode(target: nn.Module, draft: nn.Module, ids: torch.Tensor,
                 if not accepted:
                     break
             stats["accepted"] += len(kept) - (not accepted)
+            stats["rejected"] += not accepted
             if accepted and T + n < goal:            # all kept: one more token, free
                 kept.append(int(torch.multinomial(p[n], 1, generator=generator)))
             ids = torch.cat([ids, ids.new_tensor([kept])], dim=1)

@@ -112,8 +112,13 @@ def test_speculative_greedy_equals_target_greedy():
         out, stats = speculative_decode(target, draft, ids, 30, k=k)
         assert torch.equal(out, ref)
         assert stats["rounds"] <= 30 and stats["accepted"] <= stats["proposed"]
+        # every round ends on a rejection or on all k kept (then one free token)
+        checked = stats["accepted"] + stats["rejected"]
+        free = stats["rounds"] - stats["rejected"]      # rounds with every proposal kept
+        assert checked <= 30 <= checked + free
     out, stats = speculative_decode(target, target, ids, 30, k=4)
     assert torch.equal(out, ref) and stats["accepted"] == stats["proposed"] and stats["rounds"] == 6
+    assert stats["rejected"] == 0
 
 
 def test_speculative_sampling_runs_and_bad_inputs():
