@@ -42,6 +42,9 @@ def main() -> None:
     theirs = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+    # No stop token: both models generate exactly n tokens, <|im_end|> or not.
+    theirs.generation_config.eos_token_id = None
+    theirs.generation_config.pad_token_id = tokenizer.eos_id
     prompt = torch.tensor(
         [tokenizer.encode_chat([{"role": "user", "content": QUESTION}])]
     )
@@ -52,14 +55,7 @@ def main() -> None:
 
     def run_theirs() -> torch.Tensor:
         with torch.no_grad():
-            return theirs.generate(
-                prompt,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=2,
-            )
+            return theirs.generate(prompt, max_new_tokens=n, do_sample=False)
 
     a, b = run_ours(), run_theirs()
     same = torch.equal(a, b)
