@@ -113,8 +113,7 @@ def test_reference_list_labels_read_like_the_citations():
 def test_config_uses_the_author_year_style():
     assert SPHINX["bibtex_reference_style"] == "author_year"
     assert SPHINX["bibtex_default_style"] == book_sphinx.STYLE_NAME
-    assert CONFIG["sphinx"]["local_extensions"] == {"book_sphinx": "_ext/",
-                                                    "appendix_letters": "_ext/"}
+    assert CONFIG["sphinx"]["local_extensions"] == {"book_sphinx": "_ext/"}
 
 
 def test_math_containers_do_not_clip_glyphs():

@@ -53,6 +53,9 @@ def test_toc_lists_all_twelve_chapters_in_order():
 def test_appendix_is_the_last_part():
     last = yaml.safe_load((ROOT / "_toc.yml").read_text())["parts"][-1]
     assert last["caption"] == "Appendix"
+    # Lettered A, B, ... in headings, the sidebar, figure and equation numbers (Fig. A.1, (A.1)):
+    # sphinx-external-toc renumbers a numbered part with this style.
+    assert last["numbered"] is True and last.get("style") == "alphaupper"
     assert [c["file"] for c in last["chapters"]] == [f"chapters/{stem}" for stem in APPENDIX]
 
 
