@@ -32,7 +32,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     ``fused=True`` hands the same computation to torch's ``F.cross_entropy``. The ids'
     range is checked where data enters (``train``, ``generate``), not at every step.
     """
-    check_token_ids("targets", targets)  # type only: reading the values would sync a GPU
+    check_token_ids("targets", targets)  # the type only: values would sync a GPU
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets must have shape {tuple(logits.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
