@@ -55,7 +55,10 @@ def main() -> None:
 
     def run_theirs() -> torch.Tensor:
         with torch.no_grad():
-            return theirs.generate(prompt, max_new_tokens=n, do_sample=False)
+            # An explicit mask: without one, transformers would take every <|im_end|> in
+            # the prompt for padding (pad token 2 is no longer the stop token).
+            return theirs.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                   max_new_tokens=n, do_sample=False)
 
     a, b = run_ours(), run_theirs()
     same = torch.equal(a, b)
