@@ -30,11 +30,12 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
     sys.path.insert(0, {root!r})
     from lib.model import GPT, GPTConfig
-    from lib.training import TrainConfig, distributed_rank_and_size, train
+    from lib.distributed import rank_and_size
+    from lib.training import TrainConfig, train
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank, world = distributed_rank_and_size()
+    rank, world = rank_and_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{model}))
     counts = []
