@@ -382,7 +382,8 @@ class BPETokenizer:
         return ids
 
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text``; special-looking strings such as <|endoftext|> are plain text."""
+        """Ids of ``text``; special-looking strings such as <|endoftext|> are plain
+        text."""
         _check_text(text)
         try:
             text.encode("utf-8")
@@ -442,11 +443,11 @@ class BPETokenizer:
     # ---- OpenAI's tokenizers ----------------------------------------------------------------------
     @classmethod
     def from_tiktoken(cls, name: str = "cl100k_base") -> "BPETokenizer":
-        """A tiktoken encoding (e.g. ``cl100k_base``) as a BPETokenizer with the same ids.
+        """A tiktoken encoding (e.g. ``cl100k_base``) as a BPETokenizer, same ids.
 
-        tiktoken stores ranks (token bytes -> id), not merges. The pair that forms a token
-        is found by running BPE on the token's own bytes with only lower-ranked tokens
-        allowed: exactly two parts remain, and the token is their merge.
+        tiktoken stores ranks (token bytes -> id), not merges. The pair that forms a
+        token is found by running BPE on the token's own bytes with only lower-ranked
+        tokens allowed: exactly two parts remain, and the token is their merge.
         """
         enc = tiktoken_encoding(name)
         ranks: dict[bytes, int] = enc._mergeable_ranks
