@@ -22,10 +22,6 @@ from lib.checks import check_type
 from lib.model import GPT, GPTConfig
 from lib.positional import RotaryEmbedding
 from lib.smollm import from_gguf, smollm2_gguf  # a real model from a GGUF file (lib.smollm)
-# Temporary re-export: chapters 04-12b still import the tiny model from here. Import it
-# from lib.tiny_model; these names leave lib.pretrained once the chapters do.
-from lib.tiny_model import (TINY_TRAIN_CONFIG, PretrainedRun, cache_key,  # noqa: F401
-                            tiny_shakespeare_model, tiny_shakespeare_run)
 
 __all__ = ["HF_MODEL_TYPES", "from_hf", "from_hf_folder", "hf_config_to_gpt_config",
            "read_hf_folder", "smollm2_gguf", "from_gguf"]

@@ -135,11 +135,3 @@ def test_bad_arguments_are_named(empty_cache):
     with pytest.raises(ValueError, match="progress must be True or False"):
         tiny_shakespeare_run(progress=1)
 
-
-def test_the_old_import_path_still_works_for_now():
-    """Temporary: chapters 04-12b import the tiny model from lib.pretrained until they are
-    updated to lib.tiny_model; the names there are the same objects."""
-    from lib import pretrained
-
-    assert pretrained.tiny_shakespeare_model is tiny_shakespeare_model
-    assert pretrained.tiny_shakespeare_run is tiny_shakespeare_run
