@@ -35,7 +35,7 @@ from torch import nn
 from lib import distributed
 from lib.checkpoint import (best_checkpoint_path, resume_training, rng_state,
                             save_checkpoint)
-from lib.checks import (check_bool, check_choice, check_int, check_number,
+from lib.checks import (check_bool, check_choice, check_int, check_number, eval_mode,
                         check_token_data, check_train_args, check_type)
 from lib.config import OPTIMIZERS, History, TrainConfig
 from lib.data import get_batch
@@ -182,17 +182,13 @@ def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_leng
     check_token_data("data", data, context_length)
     device = _model_device(model)
     generator = torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    try:
-        total = torch.zeros((), device=device)
+    total = torch.zeros((), device=device)
+    with eval_mode(model):
         for _ in range(n_batches):
             x, y = get_batch(data, batch_size, context_length, generator, device)
             with _autocast(device, amp):
                 total += _loss_of(model(x, y)).float()
-        return float(total) / n_batches
-    finally:
-        model.train(was_training)
+    return float(total) / n_batches
 
 
 def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | None,
