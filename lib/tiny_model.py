@@ -49,7 +49,6 @@ __all__ = ["TINY_TRAIN_CONFIG", "PretrainedRun", "tiny_shakespeare_model",
 TINY_TRAIN_CONFIG = TrainConfig(
     max_steps=600, batch_size=16, context_length=128, lr=1e-2, min_lr=1e-3, warmup_steps=50,
     weight_decay=0.1, grad_clip=1.0, eval_interval=100, eval_batches=8, seed=0,
-    fused_adamw=True,  # torch's one-kernel AdamW: several times faster on a CPU
 )
 
 # Library modules whose code decides the trained weights; their source is part of the key.
