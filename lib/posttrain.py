@@ -1,0 +1,250 @@
+"""Post-training: from a model that continues text to one that answers.
+
+A chat model reads a conversation in the format it was tuned on (ChatML for SmolLM2:
+``<|im_start|>role\\ncontent<|im_end|>\\n`` per message) and ends its answer with
+``<|im_end|>``. Two steps teach that behaviour on top of a pretrained model:
+
+- **Supervised fine-tuning (SFT):** next-token cross-entropy on example answers, with the
+  prompt's tokens left out of the loss (their targets are :data:`IGNORE`), so the model
+  learns to write answers, not to predict questions. :func:`sft_example` builds one
+  example, :func:`sft` runs the loop.
+- **Direct preference optimisation (DPO,** Rafailov et al. 2023 **):** from pairs of a
+  preferred and a rejected answer to the same prompt, raise the log-probability ratio
+  ``log pi(y) / pi_ref(y)`` of the preferred answer against that of the rejected one.
+  :func:`dpo_loss` is the loss, :func:`dpo` the loop; the reference model's
+  log-probabilities are computed once (:func:`response_logprobs`), before training.
+
+The loops train whatever parameters of the model require gradients (LoRA adapters, see
+:mod:`lib.lora`) with AdamW, on right-padded batches: with causal attention a padded
+position comes after every real one and changes none of them, and its target is
+:data:`IGNORE`.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lib.checks import check_int, check_number, check_type, eval_mode
+from lib.loss import cross_entropy
+
+__all__ = ["IGNORE", "sft_example", "pad_batch", "sequence_logprobs",
+           "response_logprobs", "token_kl", "UpperBlocks", "lower_states",
+           "dpo_loss", "sft", "dpo", "reply"]
+
+IGNORE = -100  # a target left out of the loss, as F.cross_entropy's ignore_index
+Example = tuple[torch.Tensor, torch.Tensor]  # (inputs (T,), targets (T,))
+
+
+def sft_example(tokenizer, messages: Sequence[Mapping[str, str]], response: str,
+                mask_prompt: bool = True) -> Example:
+    """``(inputs, targets)`` for one conversation: the chat-formatted ``messages`` with
+    the assistant's turn opened, then ``response`` and the end-of-turn token.
+
+    ``targets`` is ``inputs`` shifted by one; with ``mask_prompt`` every target inside
+    the prompt is :data:`IGNORE`, so only the response and its end token are learned.
+    ``tokenizer`` is a :class:`lib.tokenizers.ChatTokenizer` with an ``eos_id``.
+    """
+    if getattr(tokenizer, "eos_id", None) is None:
+        raise ValueError("tokenizer must be a ChatTokenizer with an eos_id (the "
+                         "end-of-turn token)")
+    if not isinstance(response, str) or not response:
+        raise ValueError(f"response must be a non-empty str, got {response!r}")
+    prompt = tokenizer.encode_chat(messages)
+    answer = tokenizer.encode(response) + [tokenizer.eos_id]
+    ids = torch.tensor(prompt + answer)
+    inputs, targets = ids[:-1], ids[1:].clone()
+    if mask_prompt:
+        targets[:len(prompt) - 1] = IGNORE  # the targets that are prompt tokens
+    return inputs, targets
+
+
+def pad_batch(examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack examples of different lengths into ``(B, T)`` inputs (``(B, T, C)`` when the
+    inputs are hidden states) and ``(B, T)`` targets, padded on the right (inputs with 0,
+    targets with :data:`IGNORE`)."""
+    T = max(len(x) for x, _ in examples)
+    first = examples[0][0]
+    inputs = first.new_zeros((len(examples), T, *first.shape[1:]))
+    targets = torch.full((len(examples), T), IGNORE, dtype=torch.long)
+    for row, (x, y) in enumerate(examples):
+        inputs[row, :len(x)], targets[row, :len(y)] = x, y
+    return inputs, targets
+
+
+class UpperBlocks(nn.Module):
+    """The blocks of a GPT from block ``start`` on, its final norm and its head.
+
+    When the blocks below ``start`` are frozen and have no adapters, their output for a
+    given example never changes during fine-tuning: :func:`lower_states` computes it
+    once, and training runs this module on it. ``forward(h)`` takes those hidden states
+    ``(B, T, C)`` and returns ``(logits, None)``, as the whole model returns for the ids.
+    The modules are the model's own (adapters included), not copies.
+    """
+
+    def __init__(self, model: nn.Module, start: int) -> None:
+        super().__init__()
+        check_int("start", start, minimum=0, maximum=len(model.blocks))
+        self.blocks = model.blocks[start:]
+        self.norm_f, self.lm_head = model.norm_f, model.lm_head
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.norm_f(h)), None
+
+
+@torch.no_grad()
+def lower_states(model: nn.Module, start: int, examples: Sequence[Example],
+                 batch_size: int = 16) -> list[Example]:
+    """Each example with its input ids replaced by the hidden states ``(T, C)`` after the
+    first ``start`` blocks of ``model`` (eval mode): the inputs of :class:`UpperBlocks`."""
+    check_int("start", start, minimum=0, maximum=len(model.blocks))
+    out = []
+    with eval_mode(model):
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i:i + batch_size]
+            h = model._embed(pad_batch(chunk)[0])  # (B, T, C)
+            for block in model.blocks[:start]:
+                h = block(h)
+            out += [(h[row, :len(x)].clone(), y) for row, (x, y) in enumerate(chunk)]
+    return out
+
+
+def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``(B, T, V)`` logits, ``(B, T)`` targets -> ``(B,)``: the sum of
+    ``log p(target)`` over the targets that are not :data:`IGNORE`."""
+    keep = targets != IGNORE
+    logp = logits.float().log_softmax(-1)  # (B, T, V)
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return (picked * keep).sum(-1)
+
+
+@torch.no_grad()
+def response_logprobs(model: nn.Module, examples: Sequence[Example],
+                      batch_size: int = 16) -> torch.Tensor:
+    """``(N,)``: for each example, the model's log-probability of its response (the
+    sum over the targets that are not :data:`IGNORE`), in eval mode."""
+    out = []
+    with eval_mode(model):
+        for i in range(0, len(examples), batch_size):
+            inputs, targets = pad_batch(examples[i:i + batch_size])
+            logits, _ = model(inputs)
+            out.append(sequence_logprobs(logits, targets))
+    return torch.cat(out)
+
+
+def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor,
+             targets: torch.Tensor) -> torch.Tensor:
+    """Mean over the positions whose target is not :data:`IGNORE` of
+    ``KL(p || p_ref) = sum_v p(v) (log p(v) - log p_ref(v))``, the divergence of the
+    model's next-token distribution from the reference's, over the whole vocabulary."""
+    logp = logits.float().log_softmax(-1)  # (B, T, V)
+    logq = ref_logits.float().log_softmax(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T)
+    return kl[targets != IGNORE].mean()
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO's loss from the log-probabilities ``(B,)`` of the chosen and rejected
+    responses under the policy and the reference:
+
+        r = beta * (log pi(y) - log pi_ref(y))          (the implicit reward)
+        loss = mean(-log sigmoid(r_chosen - r_rejected))
+
+    Returns ``(loss, r_chosen, r_rejected)``, the rewards detached (for logging)."""
+    r_chosen = beta * (chosen - ref_chosen)
+    r_rejected = beta * (rejected - ref_rejected)
+    loss = -F.logsigmoid(r_chosen - r_rejected).mean()
+    return loss, r_chosen.detach(), r_rejected.detach()
+
+
+def _check_loop(model: object, data: object, what: str, steps: object, lr: object,
+                batch_size: object) -> list[nn.Parameter]:
+    """The arguments shared by :func:`sft` and :func:`dpo`; the parameters to train."""
+    check_type("model", model, nn.Module, "torch.nn.Module")
+    if not isinstance(data, Sequence) or len(data) == 0:
+        raise ValueError(f"{what} must be a non-empty list, got {type(data).__name__}")
+    check_int("steps", steps)
+    check_number("lr", lr, low=0, low_open=True)
+    check_int("batch_size", batch_size, maximum=len(data))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no trainable parameters (apply_lora adds some)")
+    return params
+
+
+def sft(model: nn.Module, examples: Sequence[Example], steps: int, lr: float,
+        batch_size: int = 8, seed: int = 0) -> list[float]:
+    """Supervised fine-tuning: ``steps`` AdamW steps on the model's trainable
+    parameters, each on ``batch_size`` examples drawn without replacement (a seeded
+    generator), with the masked mean cross-entropy. Returns the loss of every step;
+    the model is left in eval mode."""
+    params = _check_loop(model, examples, "examples", steps, lr, batch_size)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        pick = torch.randperm(len(examples), generator=generator)[:batch_size]
+        inputs, targets = pad_batch([examples[i] for i in pick])
+        logits, _ = model(inputs)  # (B, T, V)
+        loss = cross_entropy(logits, targets, ignore_index=IGNORE)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def dpo(model: nn.Module, pairs: Sequence[tuple[Example, Example]],
+        ref_logps: torch.Tensor, steps: int, lr: float, beta: float,
+        batch_size: int = 8, seed: int = 0) -> list[dict[str, float]]:
+    """DPO: ``steps`` AdamW steps on the model's trainable parameters over ``pairs`` of
+    (chosen, rejected) examples. ``ref_logps`` ``(N, 2)`` holds the reference model's
+    log-probabilities of each pair's chosen and rejected response (computed once).
+    Returns, per step, the loss, the mean reward margin and the reward accuracy; the
+    model is left in eval mode."""
+    params = _check_loop(model, pairs, "pairs", steps, lr, batch_size)
+    check_number("beta", beta, low=0, low_open=True)
+    if not isinstance(ref_logps, torch.Tensor) or ref_logps.shape != (len(pairs), 2):
+        raise ValueError(f"ref_logps must be a ({len(pairs)}, 2) tensor, one row per "
+                         f"pair, got {getattr(ref_logps, 'shape', ref_logps)!r}")
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    log = []
+    model.train()
+    for _ in range(steps):
+        pick = torch.randperm(len(pairs), generator=generator)[:batch_size]
+        batch = [pairs[i][0] for i in pick] + [pairs[i][1] for i in pick]
+        inputs, targets = pad_batch(batch)  # chosen rows first, then rejected
+        logits, _ = model(inputs)
+        chosen, rejected = sequence_logprobs(logits, targets).chunk(2)
+        ref = ref_logps[pick]
+        loss, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1],
+                                              beta)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        margin = r_chosen - r_rejected
+        log.append({"loss": loss.item(), "margin": margin.mean().item(),
+                    "accuracy": (margin > 0).float().mean().item()})
+    model.eval()
+    return log
+
+
+def reply(model: nn.Module, tokenizer, messages: Sequence[Mapping[str, str]],
+          max_new_tokens: int = 32) -> str:
+    """The model's greedy answer to ``messages`` (chat-formatted by ``tokenizer``), up
+    to its end-of-turn token or ``max_new_tokens`` tokens."""
+    prompt = tokenizer.encode_chat(messages)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens, temperature=0.0)
+    answer = out[0, len(prompt):].tolist()
+    if tokenizer.eos_id in answer:
+        answer = answer[:answer.index(tokenizer.eos_id)]
+    return tokenizer.decode(answer)

@@ -1,0 +1,248 @@
+"""lib.posttrain against written-out references: the masked SFT loss against
+F.cross_entropy and a float64 mean, DPO's loss and gradient against the paper's formula
+in float64, padding against unpadded rows, the example layout against transformers'
+rendering of SmolLM2's own chat template; the loops train what they should and name
+bad arguments."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lib.config import GPTConfig
+from lib.lora import ATTENTION, FFN, apply_lora
+from lib.model import GPT
+from lib.posttrain import (IGNORE, UpperBlocks, dpo, dpo_loss, lower_states, pad_batch,
+                           reply, response_logprobs, sequence_logprobs, sft, sft_example,
+                           token_kl)
+from lib.tokenizers import BPETokenizer, ChatTokenizer
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% endif %}")
+
+
+def tokenizer() -> ChatTokenizer:
+    """Bytes as ids 0-255, ChatML's two special tokens as 256 and 257."""
+    bpe = BPETokenizer({}, byte_ids=list(range(256)))
+    return ChatTokenizer(bpe, {"<|im_start|>": 256, "<|im_end|>": 257}, CHATML, eos_id=257)
+
+
+def model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    config = GPTConfig.tiny(vocab_size=258, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                            context_length=96)
+    return GPT(config).eval()
+
+
+def question(k: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"q{k}?"}]
+
+
+def test_example_layout_masks_exactly_the_prompt():
+    tok = tokenizer()
+    inputs, targets = sft_example(tok, question(1), "yes")
+    prompt = tok.encode_chat(question(1))
+    full = tok.encode(tok.apply_chat_template(
+        question(1) + [{"role": "assistant", "content": "yes"}],
+        add_generation_prompt=False))
+    assert inputs.tolist() + [targets[-1].item()] == full[:-1]  # all but the last "\n"
+    kept = targets[targets != IGNORE].tolist()
+    assert kept == tok.encode("yes") + [tok.eos_id]
+    assert (targets[:len(prompt) - 1] == IGNORE).all()
+    _, unmasked = sft_example(tok, question(1), "yes", mask_prompt=False)
+    assert unmasked.tolist() == full[1:-1]
+
+
+def test_example_layout_equals_transformers_rendering_of_smollm2_template():
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from lib.smollm import from_gguf, smollm2_gguf
+
+    path = smollm2_gguf()
+    _, ours = from_gguf(path)
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    inputs, targets = sft_example(ours, messages, '{"answer": 5}')
+    whole = messages + [{"role": "assistant", "content": '{"answer": 5}'}]
+    text = theirs.apply_chat_template(whole, tokenize=False, add_generation_prompt=False)
+    ids = theirs.encode(text, add_special_tokens=False)
+    assert inputs.tolist() + [targets[-1].item()] == ids[:-1]  # all but the last "\n"
+    assert ours.decode(targets[targets != IGNORE].tolist()) == '{"answer": 5}<|im_end|>'
+
+
+def test_masked_loss_equals_cross_entropy_and_float64_mean():
+    tok = tokenizer()
+    examples = [sft_example(tok, question(k), "ok" * (k + 1)) for k in range(3)]
+    inputs, targets = pad_batch(examples)
+    logits, _ = model()(inputs)
+    _, ours = model()(inputs, targets)  # GPT's own loss leaves IGNORE out too
+    torch.testing.assert_close(ours, F.cross_entropy(
+        logits.transpose(1, 2), targets, ignore_index=IGNORE))
+    keep = targets != IGNORE
+    logp = logits.double().log_softmax(-1)
+    nll = -logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(ours.double(), nll[keep].sum() / keep.sum())
+
+
+def test_padding_changes_no_real_position():
+    tok = tokenizer()
+    short, long = (sft_example(tok, question(k), "a" * n) for k, n in ((1, 2), (22, 9)))
+    m = model()
+    together = response_logprobs(m, [short, long])
+    alone = torch.cat([response_logprobs(m, [e]) for e in (short, long)])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    logits, _ = m(short[0][None])
+    logp = logits.double().log_softmax(-1)[0]
+    keep = short[1] != IGNORE
+    written = logp[keep].gather(-1, short[1][keep][:, None]).sum()
+    torch.testing.assert_close(together[0].double(), written, atol=1e-5, rtol=1e-5)
+
+
+def test_dpo_loss_and_gradient_equal_the_paper_formula_in_float64():
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (-10 * torch.rand(5, generator=g, dtype=torch.float64)
+                      for _ in range(4))
+    pc.requires_grad_(True)
+    pr.requires_grad_(True)
+    beta = 0.3
+    loss, r_c, r_r = dpo_loss(pc, pr, rc, rr, beta)
+    margin = beta * ((pc - rc) - (pr - rr))
+    formula = torch.log(1 + torch.exp(-margin)).mean()  # -log sigmoid, written out
+    torch.testing.assert_close(loss, formula, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(r_c - r_r, margin.detach(), rtol=1e-12, atol=1e-12)
+    (grad_chosen,) = torch.autograd.grad(loss, pc)
+    # d/d log pi(y_w) of -log sigma(m) = -beta * sigma(-m) / B
+    expected = -beta * torch.sigmoid(-margin.detach()) / 5
+    torch.testing.assert_close(grad_chosen, expected, rtol=1e-12, atol=1e-12)
+    same = torch.tensor([-3.0, -7.0])
+    assert math.isclose(dpo_loss(same, same, same, same, 0.1)[0].item(), math.log(2),
+                        rel_tol=1e-6)
+
+
+def test_sequence_logprobs_ignores_ignored_targets():
+    logits = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(3))
+    targets = torch.tensor([[1, IGNORE, 3, IGNORE], [IGNORE, IGNORE, 0, 6]])
+    logp = logits.double().log_softmax(-1)
+    expected = torch.stack([logp[0, 0, 1] + logp[0, 2, 3], logp[1, 2, 0] + logp[1, 3, 6]])
+    torch.testing.assert_close(sequence_logprobs(logits, targets).double(), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_sft_teaches_the_response_and_stops():
+    tok = tokenizer()
+    examples = [sft_example(tok, question(k), "ok!") for k in range(8)]
+    m = model()  # every weight trains: a frozen random head is too small for confidence
+    before = response_logprobs(m, examples).mean()
+    losses = sft(m, examples, steps=30, lr=1e-2, batch_size=4)
+    assert len(losses) == 30 and losses[-1] < losses[0] / 2
+    assert response_logprobs(m, examples).mean() > before + 5.0
+    assert not m.training
+    assert reply(m, tok, question(3), max_new_tokens=8) == "ok!"  # and stops at <|im_end|>
+
+
+def test_sft_moves_only_the_adapters():
+    tok = tokenizer()
+    examples = [sft_example(tok, question(k), "ok!") for k in range(8)]
+    m = model()
+    frozen = {n: p.detach().clone() for n, p in m.named_parameters()}
+    apply_lora(m, ATTENTION, r=4, alpha=8.0)
+    sft(m, examples, steps=3, lr=1e-2, batch_size=4)
+    for name, p in m.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, frozen[name.replace(".base.", ".")])
+    assert all(p.abs().max() > 0 for n, p in m.named_parameters() if n.endswith("lora_B"))
+
+
+def test_dpo_raises_the_chosen_response_over_the_rejected():
+    tok = tokenizer()
+    pairs = [(sft_example(tok, question(k), "yes"), sft_example(tok, question(k), "no!"))
+             for k in range(8)]
+    m = model()
+    ref = torch.stack([response_logprobs(m, [c for c, _ in pairs]),
+                       response_logprobs(m, [r for _, r in pairs])], dim=1)
+    apply_lora(m, ATTENTION, r=4, alpha=8.0)
+    log = dpo(m, pairs, ref, steps=25, lr=1e-2, beta=0.5, batch_size=4)
+    assert math.isclose(log[0]["loss"], math.log(2), rel_tol=1e-5)  # policy = reference
+    assert log[-1]["loss"] < 0.35 and log[-1]["accuracy"] == 1.0
+    after = torch.stack([response_logprobs(m, [c for c, _ in pairs]),
+                         response_logprobs(m, [r for _, r in pairs])], dim=1)
+    assert ((after[:, 0] - ref[:, 0]) > (after[:, 1] - ref[:, 1])).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"steps": 0}, "steps must be a positive int"),
+    ({"lr": 0.0}, "lr must be a number > 0"),
+    ({"batch_size": 9}, r"batch_size must be an int in \[1, 8\]"),
+    ({"examples": []}, "examples must be a non-empty list"),
+])
+def test_sft_names_bad_arguments(kwargs, match):
+    tok = tokenizer()
+    m = model()
+    apply_lora(m, ATTENTION, r=2, alpha=4.0)
+    args = {"examples": [sft_example(tok, question(k), "x") for k in range(8)],
+            "steps": 1, "lr": 1e-3, "batch_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        sft(m, **args)
+
+
+def test_dpo_and_examples_name_bad_arguments():
+    tok = tokenizer()
+    pair = (sft_example(tok, question(1), "a"), sft_example(tok, question(1), "b"))
+    m = model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        dpo(m, [pair], torch.zeros(1, 2), steps=1, lr=1e-3, beta=0.1, batch_size=1)
+    apply_lora(m, ATTENTION, r=2, alpha=4.0)
+    with pytest.raises(ValueError, match=r"ref_logps must be a \(1, 2\) tensor"):
+        dpo(m, [pair], torch.zeros(2), steps=1, lr=1e-3, beta=0.1, batch_size=1)
+    with pytest.raises(ValueError, match="beta must be a number > 0"):
+        dpo(m, [pair], torch.zeros(1, 2), steps=1, lr=1e-3, beta=0.0, batch_size=1)
+    with pytest.raises(ValueError, match="response must be a non-empty str"):
+        sft_example(tok, question(1), "")
+    no_eos = ChatTokenizer(tok.bpe, tok.special, CHATML)
+    with pytest.raises(ValueError, match="eos_id"):
+        sft_example(no_eos, question(1), "a")
+
+
+def test_token_kl_equals_torch_kl_div_on_the_kept_positions():
+    g = torch.Generator().manual_seed(4)
+    logits, ref = torch.randn(2, 5, 9, generator=g), torch.randn(2, 5, 9, generator=g)
+    targets = torch.tensor([[IGNORE, 2, 3, IGNORE, IGNORE], [1, IGNORE, 4, 4, 0]])
+    keep = targets != IGNORE
+    theirs = F.kl_div(ref.log_softmax(-1)[keep], logits.log_softmax(-1)[keep],
+                      log_target=True, reduction="none").sum(-1).mean()  # KL(p || p_ref)
+    torch.testing.assert_close(token_kl(logits, ref, targets), theirs)
+    assert token_kl(ref, ref, targets).abs() < 1e-6
+
+
+def test_upper_blocks_on_cached_states_equal_the_whole_model_and_its_gradients():
+    tok = tokenizer()
+    examples = [sft_example(tok, question(k), "a" * (k + 1)) for k in range(4)]
+    whole = model()
+    whole.requires_grad_(False)
+    apply_lora(whole, ["blocks.1.attn.q_proj", "blocks.1.attn.v_proj"], r=2, alpha=4.0)
+    with torch.no_grad():
+        for name, p in whole.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(generator=torch.Generator().manual_seed(5))
+    x, y = pad_batch(examples)
+    upper = UpperBlocks(whole, 1)
+    hx, hy = pad_batch(lower_states(whole, 1, examples))
+    assert torch.equal(hy, y) and hx.shape == (*x.shape, 32)
+    full_logits, _ = whole(x)
+    upper_logits, _ = upper(hx)
+    real = torch.arange(x.shape[1]) < torch.tensor([len(i) for i, _ in examples])[:, None]
+    torch.testing.assert_close(upper_logits[real], full_logits[real], atol=1e-5, rtol=1e-5)
+    grads = []
+    for logits in (full_logits, upper_logits):
+        loss = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=IGNORE)
+        params = [p for p in whole.parameters() if p.requires_grad]
+        grads.append(torch.autograd.grad(loss, params))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert {id(p) for p in upper.parameters()} <= {id(p) for p in whole.parameters()}
+    with pytest.raises(ValueError, match=r"start must be an int in \[0, 2\]"):
+        UpperBlocks(whole, 3)
