@@ -8,7 +8,7 @@ A chat model reads a conversation in the format it was tuned on (ChatML for Smol
   prompt's tokens left out of the loss (their targets are :data:`IGNORE`), so the model
   learns to write answers, not to predict questions. :func:`sft_example` builds one
   example, :func:`sft` runs the loop.
-- **Direct preference optimisation (DPO,** Rafailov et al. 2023 **):** from pairs of a
+- **Direct preference optimisation** (DPO, Rafailov et al. 2023): from pairs of a
   preferred and a rejected answer to the same prompt, raise the log-probability ratio
   ``log pi(y) / pi_ref(y)`` of the preferred answer against that of the rejected one.
   :func:`dpo_loss` is the loss, :func:`dpo` the loop; the reference model's
