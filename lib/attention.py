@@ -209,15 +209,16 @@ class MultiHeadAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim) if qk_norm else None
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` -> ``(B, T, C)``.
+    def forward(self, x: torch.Tensor, offset: int = 0,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``.
 
-        With a ``kv_cache`` holding ``T_cached`` earlier positions, ``x`` holds the next
-        ``T`` tokens, whose queries attend to ``T_k = T_cached + T`` keys; the cache
+        With a ``kv_cache`` holding the ``offset`` earlier positions, ``x`` holds the
+        next ``T`` tokens, whose queries attend to ``T_k = offset + T`` keys; the cache
         grows.
         """
         B, T, C = x.shape
-        q, k, v = self.project(x, kv_cache)  # (B, H, T, D), k and v (B, H_kv, T_k, D)
+        q, k, v = self.project(x, offset, kv_cache)  # (B, H, T, D), k and v (B, H_kv, T_k, D)
         mask, causal = self.mask(T, k.size(2), x.device)
         p = self.dropout if self.training else 0.0
         if self.fused:  # torch's kernel
@@ -228,12 +229,11 @@ class MultiHeadAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side: (B, T, C)
         return self.resid_dropout(self.out_proj(y))
 
-    def project(self, x: torch.Tensor, kv_cache: KVCache | None = None
+    def project(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``(B, H, T, D)`` and keys, values ``(B, H_kv, T_k, D)`` for ``x``
-        ``(B, T, C)``: projected, split into heads, QK-normed and rotated (at the
-        positions after the cache's), the cache's earlier keys and values in front (the
-        cache grows)."""
+        ``(B, T, C)`` at positions ``offset …``: projected, split into heads, QK-normed
+        and rotated, the cache's earlier keys and values in front (the cache grows)."""
         B, T, _ = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
@@ -241,7 +241,6 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
         if self.qk_norm:  # each head's queries and keys rescaled to RMS 1, times a gain
             q, k = self.q_norm(q), self.k_norm(k)
-        offset = 0 if kv_cache is None else kv_cache.length  # x's first position
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
         if kv_cache is not None:

@@ -63,8 +63,9 @@ class TransformerBlock(nn.Module):
         self.norm2 = make_norm(config)
         self.ffn = make_ffn(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` -> ``(B, T, C)``."""
-        x = x + self.attn(self.norm1(x), kv_cache=kv_cache)  # tokens share information
+    def forward(self, x: torch.Tensor, offset: int = 0,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``."""
+        x = x + self.attn(self.norm1(x), offset, kv_cache)  # tokens share information
         x = x + self.ffn(self.norm2(x))  # each token processed on its own
         return x

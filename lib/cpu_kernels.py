@@ -65,9 +65,10 @@ class CPUMultiHeadAttention(MultiHeadAttention):
     that are not plain hook-free ``nn.Linear`` layers, e.g. LoRA) takes the parent's
     forward."""
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        if not self._takes_cpu_path(x, kv_cache):
-            return super().forward(x, kv_cache)
+    def forward(self, x: torch.Tensor, offset: int = 0,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        if not self._takes_cpu_path(x, kv_cache) or offset:
+            return super().forward(x, offset, kv_cache)
         B, T, C = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         proj = (self.q_proj, self.k_proj, self.v_proj)

@@ -79,9 +79,13 @@ class GPT(nn.Module):
             if name.endswith(RESIDUAL_PROJECTIONS) or expert_out:
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def _embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Token embeddings plus (learned or sinusoidal) positions:
-        ``(B, T) -> (B, T, C)``."""
+    def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """The input of the first block: token embeddings plus (learned or sinusoidal)
+        positions ``offset … offset+T-1``, after dropout, ``(B, T) -> (B, T, C)``.
+
+        ``offset`` is the position of ``ids[:, 0]`` (the number of tokens before it, e.g.
+        in a KV cache). RoPE models add no positions here: their attention rotates
+        queries and keys instead."""
         T = ids.size(1)
         if offset + T > self.config.context_length:
             ctx = self.config.context_length
@@ -99,8 +103,8 @@ class GPT(nn.Module):
         ``targets`` ``(B, T)`` is given (else None).
 
         With ``kv_caches`` (one :class:`KVCache` per block), ``ids`` continues the
-        cached sequence: positions start at the cache length and the caches grow by
-        ``T``.
+        cached sequence: its positions start at the cache length (computed here once and
+        handed to :meth:`embed` and every block) and the caches grow by ``T``.
 
         Mixture of experts (``config.ffn='moe'``): in training mode the returned loss is
         the cross-entropy plus ``config.aux_weight`` times the sum over layers of each
@@ -108,10 +112,10 @@ class GPT(nn.Module):
         :func:`lib.training.train` optimises both; in eval mode (``evaluate``,
         validation) it is the cross-entropy alone.
         """
-        offset = 0 if kv_caches is None else kv_caches[0].length
-        x = self._embed(ids, offset)  # (B, T, C)
+        offset = 0 if kv_caches is None else kv_caches[0].length  # position of ids[:, 0]
+        x = self.embed(ids, offset)  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, kv_cache=None if kv_caches is None else kv_caches[i])
+            x = block(x, offset, None if kv_caches is None else kv_caches[i])
         logits = self.lm_head(self.norm_f(x))  # (B, T, C) -> (B, T, V)
         if targets is None:
             return logits, None
@@ -130,7 +134,7 @@ class GPT(nn.Module):
         check_id_range("ids", ids, self.config.vocab_size)
         maps = []
         with eval_mode(self):
-            x = self._embed(ids)
+            x = self.embed(ids)
             for block in self.blocks:
                 maps.append(attention_weights(block.attn, block.norm1(x)))
                 x = block(x)

@@ -118,7 +118,7 @@ def test_fused_attention_shares_kv_heads_without_copying_them(monkeypatch):
         return sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(lib.attention.F, "scaled_dot_product_attention", spy)
-    step = mha(x[:, 8:], kv_cache=cache)
+    step = mha(x[:, 8:], 8, cache)
     monkeypatch.undo()
     assert seen == [(cache.k.data_ptr(), 1, True)]
     torch.testing.assert_close(step, mha(x)[:, 8:])
@@ -279,7 +279,7 @@ def test_kv_cache_decoding_equals_full_recomputation(kwargs, fused):
     cache = KVCache()
     pieces = []
     for start, end in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 11), (11, 12)]:  # prompt, a chunk
-        pieces.append(mha(x[:, start:end], kv_cache=cache))
+        pieces.append(mha(x[:, start:end], start, cache))
         assert cache.length == end
     torch.testing.assert_close(torch.cat(pieces, dim=1), full)
     assert cache.k.shape == (2, mha.n_kv_heads, 12, 8)  # the cache holds H_kv heads, not H
