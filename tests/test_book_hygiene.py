@@ -377,3 +377,49 @@ def test_each_solution_sits_under_its_own_exercise(path: Path):
         else:
             solved.add(last_exercise)
     _report(problems, "exercise solutions out of place:")
+
+
+# A bare boolean verdict in printed output: a line that is only True/False (or tensor(True)), a
+# bool after a label's colon or question mark ("rows sum to one: True", "changed? False"), or
+# after `==` / `is`. Such a line is a claim nobody checks: it printed False under prose saying
+# True once (issue 32). Not counted: `name=True` (reprs, keyword arguments), a dict's
+# `'key': False` (the quote before the colon), a bool followed by more words ("True where ...",
+# docstrings), and boolean tensors or lists (data, e.g. a causal mask).
+BARE_BOOL = re.compile(r"^\s*(?:tensor\()?(?:True|False)\)?\s*$")
+LABELLED_BOOL = re.compile(r"""(?<!['"])(?:[:?]|==|\bis)\s*(True|False)\s*(?:[;,.()]|$)""")
+
+
+def verdict_lines(path: Path) -> list[tuple[int, str]]:
+    """(cell index, line) for every stored output line of `path` that prints a boolean verdict:
+    stdout and plain-text results, in every code cell (hidden ones too)."""
+    found = []
+    for i, cell in enumerate(_cells(path)):
+        for out in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            if out.get("output_type") == "stream" and out.get("name") != "stdout":
+                continue
+            for line in _shown_output_text(out).splitlines():
+                if BARE_BOOL.match(line) or LABELLED_BOOL.search(line):
+                    found.append((i, line))
+    return found
+
+
+def test_verdict_pattern_catches_verdicts_and_spares_data():
+    verdicts = ["True", "tensor(False)", "rows sum to one: True", "x == y: False (max 0.1)",
+                "earlier outputs change? False", "LN(5x) == LN(x): True;  RMS: True",
+                "tied head: True; 812 parameters", "a == b == True", "the mask is False."]
+    data = ["    verbose: bool = False) -> None:", "GELU(approximate='none', fused=True)",
+            "{'bias': False, 'n_heads': 4}", "rotate values = False: max change 0.00",
+            "tensor([[ True, False],", "inputs: [True, False, False]", "    True where i may attend",
+            "self.fused = True  # False: the formula", "causal=True  max abs diff 2.4e-07",
+            "nothing here is False or True in a sentence about them"]
+    assert [v for v in verdicts if not (BARE_BOOL.match(v) or LABELLED_BOOL.search(v))] == []
+    assert [d for d in data if BARE_BOOL.match(d) or LABELLED_BOOL.search(d)] == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_printed_boolean_verdicts(path: Path):
+    """A check the chapter makes is an `assert` (which can fail), not a printed True/False that
+    nobody reads (issue 32). Print the numbers behind it if they teach something ("max |diff|
+    2.4e-07"), and assert the verdict in the same cell."""
+    bad = [f"{_where(path, i)} output: {line.strip()}" for i, line in verdict_lines(path)]
+    _report(bad, "printed boolean verdicts (assert them instead; print the numbers if useful):")
