@@ -1,15 +1,18 @@
-"""The two commands a reader of any Jupyter Book knows, run the way a reader runs them: on a fresh
-copy of the repository (what `git clone` gives: the tracked files and nothing built), from its root,
-with the virtual environment's tools on PATH and without any variable the Makefile sets.
+"""The two commands a reader of any Jupyter Book knows, run the way a reader runs them: from the
+repository's root, with the virtual environment's tools on PATH and without any variable the
+Makefile sets.
 
 - `jupyter-book build .` must succeed without a warning and serve MathJax from the build: every page
-  with math loads it exactly once, from a file that exists (tools/check_build.py, which `make book`
-  also runs).
-- `pytest --nbval <chapter>` must pass: pytest.ini and conftest.py supply what `make test` used to
-  pass on its command line (sanitizer, kernel, timeout, matplotlib backend, hash seed, the data
-  copies in ../shared). One short chapter stands for all of them: CI runs every chapter with the
-  same configuration through `make test`. Chapter 01 reads both TinyShakespeare and tiktoken's
-  files, so it also proves the ../shared lookup.
+  with math loads it exactly once, from a file that exists. CI builds the book once (`make book`,
+  the first step of .ci/run); these tests check what that build left in _build/html rather than
+  build a second time, and they check that `make book` *is* the bare command plus strictness
+  (warnings are errors, tools/check_build.py), so its passing means the bare command passes too.
+  Without a build they skip (run `make book` first).
+- `pytest --nbval <chapter>` must pass on a fresh copy of the repository (what `git clone` gives):
+  pytest.ini and conftest.py supply what `make test` used to pass on its command line (sanitizer,
+  kernel, timeout, matplotlib backend, hash seed, the data copies in ../shared). One short chapter
+  stands for all of them: CI runs every chapter with the same configuration through `make test`.
+  Chapter 01 reads both TinyShakespeare and tiktoken's files, so it also proves the ../shared lookup.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the virtual environment a reader would have activated
@@ -71,24 +75,42 @@ def test_reader_env_has_no_makefile_variables():
     assert env["PATH"].split(os.pathsep)[0] == str(BIN)
 
 
-def test_bare_book_build_serves_mathjax(fresh_copy):
-    done = run(["jupyter-book", "build", "."], fresh_copy)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-3000:]
-    assert "build succeeded." in log, re.findall(r".*WARNING.*", log)[:10]  # "succeeded, N warnings"
-    html = fresh_copy / "_build" / "html"
+HTML = ROOT / "_build" / "html"
+built = pytest.mark.skipif(not (HTML / "index.html").is_file(),
+                           reason="no _build/html: run `make book` (CI's first step) first")
+STRICTNESS = {"--warningiserror", "-W", "--nitpick", "-n", "--keep-going"}
+
+
+def test_make_book_is_the_bare_build_plus_strictness():
+    """`make book` runs `jupyter-book build .` with flags that only make it stricter, and nothing
+    the build reads comes from the Makefile: notebooks are not executed (the committed outputs are
+    shown), so the variables the Makefile exports cannot change what gets built."""
+    recipe = re.search(r"^book:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    builds = [line.split() for line in recipe.splitlines() if "jupyter-book" in line]
+    assert len(builds) == 1, recipe
+    command, flags = builds[0][:3], builds[0][3:]
+    assert command[0].endswith("jupyter-book") and command[1:] == ["build", "."], builds
+    assert set(flags) <= STRICTNESS, f"make book passes more than strictness flags: {flags}"
+    assert "--warningiserror" in flags or "-W" in flags
+    assert "tools/check_build.py _build/html" in recipe
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert config["execute"]["execute_notebooks"] == "off"
+
+
+@built
+def test_built_book_serves_mathjax():
     spec = importlib.util.spec_from_file_location("check_build", ROOT / "tools" / "check_build.py")
     check_build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check_build)
-    assert check_build.check(html) == []
+    assert check_build.check(HTML) == []
     # The chapter a reader opens first for equations: one MathJax script, and it is there to load.
-    page = html / "chapters" / "04_attention.html"
+    page = HTML / "chapters" / "04_attention.html"
     text = page.read_text(encoding="utf-8")
     assert 'class="math' in text
     (src,) = re.findall(r'<script[^>]*src="([^"]*mathjax[^"]*)"', text, re.I)
     served = (page.parent / src.split("?")[0]).resolve()
     assert served.is_file() and served.stat().st_size > 0, src
-    assert served.is_relative_to(html.resolve()), src
+    assert served.is_relative_to(HTML.resolve()), src
 
 
 def test_bare_nbval_passes(fresh_copy):
