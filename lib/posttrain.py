@@ -7,35 +7,37 @@ A chat model reads a conversation in the format it was tuned on (ChatML for Smol
 - **Supervised fine-tuning (SFT):** next-token cross-entropy on example answers, with the
   prompt's tokens left out of the loss (their targets are :data:`IGNORE`), so the model
   learns to write answers, not to predict questions. :func:`sft_example` builds one
-  example, :func:`sft` runs the loop.
+  example, :func:`sft_loss` is the loss and :func:`sft` trains with it.
 - **Direct preference optimisation** (DPO, Rafailov et al. 2023): from pairs of a
   preferred and a rejected answer to the same prompt, raise the log-probability ratio
   ``log pi(y) / pi_ref(y)`` of the preferred answer against that of the rejected one.
-  :func:`dpo_loss` is the loss, :func:`dpo` the loop; the reference model's
+  :func:`dpo_loss` is the loss and :func:`dpo` trains with it; the reference model's
   log-probabilities are computed once (:func:`response_logprobs`), before training.
 
-The loops train whatever parameters of the model require gradients (LoRA adapters, see
-:mod:`lib.lora`) with AdamW, on right-padded batches: with causal attention a padded
-position comes after every real one and changes none of them, and its target is
-:data:`IGNORE`.
+Both train with one loop, :func:`finetune` (a loss function of the model and a batch is
+all that differs, so an RL method plugs in the same way): AdamW on whatever parameters of
+the model require gradients (LoRA adapters, see :mod:`lib.lora`), on right-padded
+batches: with causal attention a padded position comes after every real one and changes
+none of them, and its target is :data:`IGNORE`.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lib.checks import check_int, check_number, check_type, eval_mode
-from lib.loss import cross_entropy
 
 __all__ = ["IGNORE", "sft_example", "pad_batch", "sequence_logprobs",
            "response_logprobs", "token_kl", "UpperBlocks", "lower_states",
-           "dpo_loss", "sft", "dpo", "reply"]
+           "dpo_loss", "finetune", "sft_loss", "sft", "dpo", "reply"]
 
 IGNORE = -100  # a target left out of the loss, as F.cross_entropy's ignore_index
 Example = tuple[torch.Tensor, torch.Tensor]  # (inputs (T,), targets (T,))
+# A loss for finetune: (model, batch) -> (the scalar to minimise, values to record).
+LossFn = Callable[[nn.Module, list], tuple[torch.Tensor, dict]]
 
 
 def sft_example(tokenizer, messages: Sequence[Mapping[str, str]], response: str,
@@ -106,7 +108,7 @@ def lower_states(model: nn.Module, start: int, examples: Sequence[Example],
     with eval_mode(model):
         for i in range(0, len(examples), batch_size):
             chunk = examples[i:i + batch_size]
-            h = model._embed(pad_batch(chunk)[0])  # (B, T, C)
+            h = model.embed(pad_batch(chunk)[0])  # (B, T, C)
             for block in model.blocks[:start]:
                 h = block(h)
             out += [(h[row, :len(x)].clone(), y) for row, (x, y) in enumerate(chunk)]
@@ -163,79 +165,85 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
     return loss, r_chosen.detach(), r_rejected.detach()
 
 
-def _check_loop(model: object, data: object, what: str, steps: object, lr: object,
-                batch_size: object) -> list[nn.Parameter]:
-    """The arguments shared by :func:`sft` and :func:`dpo`; the parameters to train."""
+def finetune(model: nn.Module, data: Sequence, loss_fn: LossFn, steps: int, lr: float,
+             batch_size: int = 8, seed: int = 0) -> list[dict[str, float]]:
+    """The fine-tuning loop that SFT, DPO and RL share: ``steps`` AdamW steps on the
+    model's trainable parameters (those with ``requires_grad``, e.g. LoRA adapters).
+
+    Each step draws ``batch_size`` items of ``data`` without replacement (a generator
+    seeded with ``seed``) and calls ``loss_fn(model, batch)``, which returns the scalar
+    loss to minimise and a dict of values to record. Returns one dict per step: the
+    ``loss`` and those values, as floats. The model trains in train mode and is left in
+    eval mode.
+    """
     check_type("model", model, nn.Module, "torch.nn.Module")
     if not isinstance(data, Sequence) or len(data) == 0:
-        raise ValueError(f"{what} must be a non-empty list, got {type(data).__name__}")
+        raise ValueError(f"data must be a non-empty list, got {type(data).__name__}")
     check_int("steps", steps)
     check_number("lr", lr, low=0, low_open=True)
     check_int("batch_size", batch_size, maximum=len(data))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters (apply_lora adds some)")
-    return params
-
-
-def sft(model: nn.Module, examples: Sequence[Example], steps: int, lr: float,
-        batch_size: int = 8, seed: int = 0) -> list[float]:
-    """Supervised fine-tuning: ``steps`` AdamW steps on the model's trainable
-    parameters, each on ``batch_size`` examples drawn without replacement (a seeded
-    generator), with the masked mean cross-entropy. Returns the loss of every step;
-    the model is left in eval mode."""
-    params = _check_loop(model, examples, "examples", steps, lr, batch_size)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    model.train()
-    for _ in range(steps):
-        pick = torch.randperm(len(examples), generator=generator)[:batch_size]
-        inputs, targets = pad_batch([examples[i] for i in pick])
-        logits, _ = model(inputs)  # (B, T, V)
-        loss = cross_entropy(logits, targets, ignore_index=IGNORE)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
-
-
-def dpo(model: nn.Module, pairs: Sequence[tuple[Example, Example]],
-        ref_logps: torch.Tensor, steps: int, lr: float, beta: float,
-        batch_size: int = 8, seed: int = 0) -> list[dict[str, float]]:
-    """DPO: ``steps`` AdamW steps on the model's trainable parameters over ``pairs`` of
-    (chosen, rejected) examples. ``ref_logps`` ``(N, 2)`` holds the reference model's
-    log-probabilities of each pair's chosen and rejected response (computed once).
-    Returns, per step, the loss, the mean reward margin and the reward accuracy; the
-    model is left in eval mode."""
-    params = _check_loop(model, pairs, "pairs", steps, lr, batch_size)
-    check_number("beta", beta, low=0, low_open=True)
-    if not isinstance(ref_logps, torch.Tensor) or ref_logps.shape != (len(pairs), 2):
-        raise ValueError(f"ref_logps must be a ({len(pairs)}, 2) tensor, one row per "
-                         f"pair, got {getattr(ref_logps, 'shape', ref_logps)!r}")
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     log = []
     model.train()
     for _ in range(steps):
-        pick = torch.randperm(len(pairs), generator=generator)[:batch_size]
-        batch = [pairs[i][0] for i in pick] + [pairs[i][1] for i in pick]
-        inputs, targets = pad_batch(batch)  # chosen rows first, then rejected
-        logits, _ = model(inputs)
-        chosen, rejected = sequence_logprobs(logits, targets).chunk(2)
-        ref = ref_logps[pick]
-        loss, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1],
-                                              beta)
+        pick = torch.randperm(len(data), generator=generator)[:batch_size]
+        loss, values = loss_fn(model, [data[i] for i in pick])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        margin = r_chosen - r_rejected
-        log.append({"loss": loss.item(), "margin": margin.mean().item(),
-                    "accuracy": (margin > 0).float().mean().item()})
+        log.append({"loss": loss.item(), **{k: float(v) for k, v in values.items()}})
     model.eval()
     return log
+
+
+def sft_loss(model: nn.Module, batch: Sequence[Example]) -> tuple[torch.Tensor, dict]:
+    """SFT's loss on a batch of examples: the mean cross-entropy over the targets that
+    are not :data:`IGNORE` (the response tokens)."""
+    inputs, targets = pad_batch(batch)
+    logits, _ = model(inputs)  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    return loss, {}
+
+
+def sft(model: nn.Module, examples: Sequence[Example], steps: int, lr: float,
+        batch_size: int = 8, seed: int = 0) -> list[float]:
+    """Supervised fine-tuning: :func:`finetune` with :func:`sft_loss` on ``examples``
+    (from :func:`sft_example`). Returns the loss of every step; the model is left in
+    eval mode."""
+    log = finetune(model, examples, sft_loss, steps, lr, batch_size, seed)
+    return [row["loss"] for row in log]
+
+
+def dpo(model: nn.Module, pairs: Sequence[tuple[Example, Example]],
+        ref_logps: torch.Tensor, steps: int, lr: float, beta: float,
+        batch_size: int = 8, seed: int = 0) -> list[dict[str, float]]:
+    """DPO: :func:`finetune` with :func:`dpo_loss` over ``pairs`` of (chosen, rejected)
+    examples. ``ref_logps`` ``(N, 2)`` holds the reference model's log-probabilities of
+    each pair's chosen and rejected response (computed once). Returns, per step, the
+    loss, the mean reward margin and the reward accuracy; the model is left in eval
+    mode."""
+    check_number("beta", beta, low=0, low_open=True)
+    if not isinstance(ref_logps, torch.Tensor) or ref_logps.shape != (len(pairs), 2):
+        raise ValueError(f"ref_logps must be a ({len(pairs)}, 2) tensor, one row per "
+                         f"pair, got {getattr(ref_logps, 'shape', ref_logps)!r}")
+
+    def loss_fn(model: nn.Module, batch: list) -> tuple[torch.Tensor, dict]:
+        chosen_rejected = [c for (c, _), _ in batch] + [r for (_, r), _ in batch]
+        inputs, targets = pad_batch(chosen_rejected)  # chosen rows first, then rejected
+        logits, _ = model(inputs)
+        chosen, rejected = sequence_logprobs(logits, targets).chunk(2)
+        ref = torch.stack([ref for _, ref in batch])  # (B, 2)
+        loss, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1],
+                                              beta)
+        margin = r_chosen - r_rejected
+        return loss, {"margin": margin.mean(), "accuracy": (margin > 0).float().mean()}
+
+    return finetune(model, list(zip(pairs, ref_logps)), loss_fn, steps, lr, batch_size,
+                    seed)
 
 
 def reply(model: nn.Module, tokenizer, messages: Sequence[Mapping[str, str]],

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from lib.config import GPTConfig
 from lib.lora import ATTENTION, FFN, apply_lora
 from lib.model import GPT
-from lib.posttrain import (IGNORE, UpperBlocks, dpo, dpo_loss, lower_states, pad_batch,
-                           reply, response_logprobs, sequence_logprobs, sft, sft_example,
-                           token_kl)
+from lib.posttrain import (IGNORE, UpperBlocks, dpo, dpo_loss, finetune, lower_states,
+                           pad_batch, reply, response_logprobs, sequence_logprobs, sft,
+                           sft_example, sft_loss, token_kl)
 from lib.tokenizers import BPETokenizer, ChatTokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -74,18 +74,44 @@ def test_example_layout_equals_transformers_rendering_of_smollm2_template():
     assert ours.decode(targets[targets != IGNORE].tolist()) == '{"answer": 5}<|im_end|>'
 
 
-def test_masked_loss_equals_cross_entropy_and_float64_mean():
+def test_sft_loss_equals_cross_entropy_and_float64_masked_mean():
+    """The loss sft trains on (sft_loss) against torch's kernel with ignore_index and a
+    float64 mean written out over the kept targets only."""
     tok = tokenizer()
     examples = [sft_example(tok, question(k), "ok" * (k + 1)) for k in range(3)]
     inputs, targets = pad_batch(examples)
-    logits, _ = model()(inputs)
-    _, ours = model()(inputs, targets)  # GPT's own loss leaves IGNORE out too
+    m = model()
+    ours, values = sft_loss(m, examples)
+    logits, _ = m(inputs)
     torch.testing.assert_close(ours, F.cross_entropy(
         logits.transpose(1, 2), targets, ignore_index=IGNORE))
     keep = targets != IGNORE
+    assert 0 < keep.sum() < keep.numel() and values == {}  # some targets are left out
     logp = logits.double().log_softmax(-1)
     nll = -logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     torch.testing.assert_close(ours.double(), nll[keep].sum() / keep.sum())
+    assert not torch.isclose(ours.double(), nll.mean())  # the unmasked mean differs
+
+
+def test_finetune_records_the_loss_and_values_of_every_step():
+    """The shared loop with a loss of its own: one row per step, the batches drawn by
+    the seeded generator without replacement."""
+    data = list(range(6))
+    weight = torch.nn.Parameter(torch.tensor(3.0))
+    holder = torch.nn.Module()
+    holder.weight = weight
+    seen = []
+
+    def loss_fn(module, batch):
+        seen.append(batch)
+        return (module.weight - 1.0) ** 2, {"size": len(batch)}
+
+    log = finetune(holder, data, loss_fn, steps=5, lr=0.1, batch_size=4, seed=7)
+    generator = torch.Generator().manual_seed(7)
+    expected = [torch.randperm(6, generator=generator)[:4].tolist() for _ in range(5)]
+    assert seen == expected and all(len(set(b)) == 4 for b in seen)
+    assert [row["size"] for row in log] == [4.0] * 5 and log[0]["loss"] == 4.0
+    assert log[-1]["loss"] < log[0]["loss"] and not holder.training
 
 
 def test_padding_changes_no_real_position():
@@ -177,7 +203,7 @@ def test_dpo_raises_the_chosen_response_over_the_rejected():
     ({"steps": 0}, "steps must be a positive int"),
     ({"lr": 0.0}, "lr must be a number > 0"),
     ({"batch_size": 9}, r"batch_size must be an int in \[1, 8\]"),
-    ({"examples": []}, "examples must be a non-empty list"),
+    ({"examples": []}, "data must be a non-empty list"),
 ])
 def test_sft_names_bad_arguments(kwargs, match):
     tok = tokenizer()
