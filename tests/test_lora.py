@@ -164,3 +164,48 @@ def test_a_rejected_call_leaves_the_model_unchanged():
         apply_lora(m, ["q_proj", "lm_head"], r=32)  # fits q_proj (32 x 32), not the head
     assert not any(isinstance(x, LoRALinear) for x in m.modules())
     assert all(p.requires_grad for p in m.parameters())
+
+
+# ---- against peft, the library people fine-tune with ------------------------------------------
+
+def _peft_copy(m: nn.Module, ours: nn.Module, targets, r: int, alpha: float, rslora: bool = False):
+    """peft's LoRA on a copy of ``m`` (the model before apply_lora), adapters copied from ``ours``."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                             use_rslora=rslora)
+    theirs = peft.get_peft_model(copy.deepcopy(m), config)
+    layers = {n: x for n, x in ours.named_modules() if isinstance(x, LoRALinear)}
+    copied = 0
+    with torch.no_grad():
+        for name, module in theirs.named_modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                mine = layers[name.removeprefix("base_model.model.")]
+                module.lora_A["default"].weight.copy_(mine.lora_A)
+                module.lora_B["default"].weight.copy_(mine.lora_B)
+                copied += 1
+    assert copied == len(layers) > 0
+    return theirs
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_lora_model_equals_peft(rslora):
+    """apply_lora on attention + MLP gives the logits of peft's LoRA with the same A, B, r and alpha
+    (rank-stabilised: peft's use_rslora with alpha' equals lib with alpha' * sqrt(r)); merging
+    gives peft's merged weights."""
+    r, alpha = 4, 6.0
+    m = model()
+    ours = model()
+    apply_lora(ours, ATTENTION + FFN, r=r, alpha=alpha * r ** 0.5 if rslora else alpha)
+    with torch.no_grad():
+        for layer in (x for x in ours.modules() if isinstance(x, LoRALinear)):
+            layer.lora_B.normal_()
+    theirs = _peft_copy(m, ours, ATTENTION + FFN, r, alpha, rslora).eval()
+    expected = theirs(ids())[0]
+    assert (expected - m(ids())[0]).abs().max() > 1e-2   # the adapters change the output
+    torch.testing.assert_close(ours(ids())[0], expected)
+    merged, peft_merged = merge_lora(ours).state_dict(), theirs.merge_and_unload().state_dict()
+    assert sorted(merged) == sorted(peft_merged)
+    for name, weight in merged.items():
+        torch.testing.assert_close(weight, peft_merged[name])
