@@ -7,12 +7,21 @@ One call trains any ``nn.Module`` whose ``forward(x, y)`` returns ``(logits, los
     history = train(model, train_ids, val_ids, config, progress=False)
     history.val_loss  # one value per evaluation, at the steps in history.step
 
-:func:`train` is the loop, readable on one screen: learning rate (:func:`lr_at`), batch
-(:func:`lib.data.get_batch`, from a generator seeded with ``config.seed``), forward
-under autocast, backward, clip, AdamW step (:func:`configure_optimizer`), log. What
-happens around the steps (evaluating on fixed batches, recording the :class:`History`,
-writing checkpoints, the progress bar) is the small class :class:`_Log`; data
+:func:`train` is the whole loop, read top to bottom: at an evaluation step, record the
+losses and save the latest (and the best) checkpoint; then one step: learning rate
+(:func:`lr_at`), batch (:func:`lib.data.get_batch`, from a generator seeded with
+``config.seed``), forward under autocast, backward, clip, optimizer step
+(:func:`configure_optimizer`). The small functions after it build what the loop uses,
+move the per-step values into the :class:`History` and write the files; data
 parallelism is :mod:`lib.distributed`; checkpoint files are :mod:`lib.checkpoint`.
+
+A non-finite batch loss stops the run with a ``FloatingPointError`` that names the step
+whose loss it was. In one CPU process every step's loss is read at once, so the run stops
+before that step changes the weights. On a GPU reading it would make the host wait for
+the device at every step, so the losses stay on the device until the next evaluation (or
+the end of the session), which looks through them and names the first bad step; the
+weights have then moved on to that evaluation, and nothing is saved. Several processes
+do the same, so that they all stop together.
 
 Mixed precision: with ``config.amp`` the forward pass runs under bf16 autocast on a GPU
 that runs bf16 natively (compute capability 8.0 or higher); an older GPU such as Colab's
@@ -27,16 +36,18 @@ import contextlib
 import math
 import os
 import warnings
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.nn.utils import clip_grad_norm_
 
 from lib import distributed
 from lib.checkpoint import (best_checkpoint_path, resume_training, rng_state,
                             save_checkpoint)
-from lib.checks import (check_bool, check_choice, check_int, check_number, eval_mode,
-                        check_token_data, check_train_args, check_type)
+from lib.checks import (check_choice, check_int, check_number, check_token_data,
+                        check_train_args, check_type, eval_mode)
 from lib.config import OPTIMIZERS, History, TrainConfig
 from lib.data import get_batch
 from lib.optim import MuonAdamW
@@ -52,10 +63,9 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
     Warmup rises linearly from ``lr / warmup_steps`` (step 0) to ``lr`` (step
     ``warmup_steps - 1``); then the rate follows half a cosine from ``lr`` down to
-    ``min_lr``, reached at ``max_steps`` and held after it.
+    ``min_lr``, reached at ``max_steps`` and held after it. (No checks: ``train`` calls
+    it every step with a ``config`` it has checked.)
     """
-    check_int("step", step, minimum=0)
-    check_type("config", config, TrainConfig, "TrainConfig")
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     decay_steps = config.max_steps - config.warmup_steps
@@ -84,15 +94,11 @@ def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
     the ``nn.Linear`` layers (the hidden matrices) take Muon steps, except a module
     named ``lm_head`` and any matrix shared with an ``nn.Embedding``; embeddings, the
     head, norm gains and biases take AdamW steps as above. Both use ``lr`` and
-    ``weight_decay``.
+    ``weight_decay``. (``betas`` and ``eps`` are checked by the optimizer.)
     """
-    check_type("model", model, nn.Module, "torch.nn.Module")
     check_number("lr", lr, low=0, low_open=True)
     check_number("weight_decay", weight_decay, low=0)
-    check_number("eps", eps, low=0, low_open=True)
     check_choice("optimizer", optimizer, OPTIMIZERS)
-    if fused is not None:
-        check_bool("fused", fused)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
@@ -158,7 +164,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _loss_of(output: Any) -> torch.Tensor:
     """The loss from a model's ``(logits, loss)`` output, or a TypeError saying what was
-    expected."""
+    expected (looked at in evaluation; a training run starts with one)."""
     if not (isinstance(output, (tuple, list)) and len(output) == 2
             and isinstance(output[1], torch.Tensor) and output[1].dim() == 0):
         raise TypeError("model(x, y) must return (logits, loss) with a scalar loss "
@@ -166,7 +172,6 @@ def _loss_of(output: Any) -> torch.Tensor:
     return output[1]
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_length: int,
              n_batches: int = 10, seed: int = 0, amp: bool = True) -> float:
     """Mean loss of ``model`` over ``n_batches`` random batches of ``data`` (in eval
@@ -175,11 +180,17 @@ def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_leng
     The batches come from a generator seeded with ``seed``, so repeated evaluations see
     the same windows and their differences reflect the model, not the sampling.
     """
-    check_type("model", model, nn.Module, "torch.nn.Module")
     check_int("batch_size", batch_size)
     check_int("context_length", context_length)
     check_int("n_batches", n_batches)
     check_token_data("data", data, context_length)
+    return _mean_loss(model, data, batch_size, context_length, n_batches, seed, amp)
+
+
+@torch.no_grad()
+def _mean_loss(model: nn.Module, data: torch.Tensor, batch_size: int, context_length: int,
+               n_batches: int, seed: int, amp: bool) -> float:
+    """:func:`evaluate` without its checks (``train`` checked its data once)."""
     device = _model_device(model)
     generator = torch.Generator().manual_seed(seed)
     total = torch.zeros((), device=device)
@@ -195,157 +206,150 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
           config: TrainConfig, checkpoint_path: str | os.PathLike | None = None,
           resume: bool = False, progress: bool = True,
           stop_at: int | None = None) -> History:
-    """Train ``model`` on token ids ``train_data`` and return its :class:`History`.
+    """Train ``model`` on token ids ``train_data``; return the run's :class:`History`.
 
-    ``val_data`` (or None) is evaluated with the training data every
-    ``config.eval_interval`` steps, at step 0 and at the last step. With
-    ``checkpoint_path`` a checkpoint is written there after every evaluation and when
-    the run stops, and the one of the lowest validation loss so far is kept at
-    :func:`lib.checkpoint.best_checkpoint_path`. ``resume=True`` continues from
-    ``checkpoint_path`` (the history then covers the whole run); ``stop_at`` ends this
-    session after that many steps, keeping the schedule of ``config.max_steps``. Under
-    ``torchrun`` each process trains on its own GPU and its slice of the global batch
-    (:mod:`lib.distributed`); only rank 0 shows progress and writes checkpoints.
+    At step 0, every ``config.eval_interval`` steps and at ``max_steps`` it records the
+    loss on fixed batches and saves the run at ``checkpoint_path`` (the best so far at
+    :func:`best_checkpoint_path`); ``resume=True`` goes on from there, ``stop_at=n``
+    stops after n steps. A non-finite loss raises ``FloatingPointError`` naming its step:
+    one CPU process checks each step before its update, else each evaluation and the end.
     """
     check_type("config", config, TrainConfig, "TrainConfig")
     rank, world_size = distributed.rank_and_size()
     check_train_args(model, train_data, val_data, config, checkpoint_path, resume,
                      progress, stop_at, world_size)
-    device = torch.device(config.device) if config.device else _model_device(model)
-    device = distributed.local_device(device)  # cuda:LOCAL_RANK under torchrun
-    model.to(device)
-    optimizer = configure_optimizer(model, config.lr, config.weight_decay, config.betas,
-                                    optimizer=config.optimizer,
-                                    fused=config.fused_adamw)
+    device, optimizer, forward, rows = _setup(model, config, rank, world_size)
     generator = torch.Generator().manual_seed(config.seed)  # batches depend on the seed
-    forward = distributed.wrap(model, device) if world_size > 1 else model
-    if config.compile and device.type == "cuda":
-        forward = torch.compile(forward)
-    rows = distributed.batch_rows(config.batch_size, rank, world_size)  # this process
-    clip = config.grad_clip or math.inf
-    data = (train_data, val_data)
-    with _Log(model, optimizer, generator, config, data, checkpoint_path,
-              show=progress and rank == 0) as log:
-        start = log.start(resume)  # 0, or the step the checkpoint reached
-        end = config.max_steps if stop_at is None else stop_at
-        if start > end:
-            raise ValueError(f"stop_at={stop_at} is before the checkpoint's step "
-                             f"{start}")
-        model.train()
-        for step in range(start, end):
+    start, history = (_resume(checkpoint_path, model, optimizer, config, generator,
+                              device, stop_at) if resume else (0, History()))
+    end = stop_at or config.max_steps
+    save = partial(_save, checkpoint_path, model, optimizer, generator, config, history)
+    each_step, pending = _checks_each_step(device, world_size), []  # pending: on device
+    with _progress_bar(config.max_steps, start, progress and rank == 0) as bar:
+        for step in range(start, end + 1):
+            if ((step % config.eval_interval == 0 or step == config.max_steps)
+                    and step not in history.step):  # (not the step resumed from)
+                _record(history, pending)  # raises at a non-finite loss since the last
+                best = _measure(history, model, train_data, val_data, config, step, bar)
+                save(step, best=best)  # the latest, and the best at a new validation low
+            if step == end:
+                break
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, config)
             x, y = get_batch(train_data, config.batch_size, config.context_length,
                              generator, device, rows)  # (B, T) each
             with _autocast(device, config.amp):
-                loss = _loss_of(forward(x, y))
+                _, loss = forward(x, y)
+            if each_step and not math.isfinite(loss.item()):
+                _raise_non_finite(loss.item(), step + 1)  # before it changes the weights
             loss.backward()  # under DDP, gradients are averaged over processes here
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            log.step(loss, norm)
-            if (step + 1) % config.eval_interval == 0 or step + 1 == config.max_steps:
-                log.evaluate(step + 1)
-        log.stop(end)
-    return log.history
+            pending.append(torch.stack([loss.detach().float(), norm.float()]))
+            bar.update(1)
+    if history.step[-1] != end:  # stopped between evaluations: save the state to resume
+        _record(history, pending)
+        save(end, best=False)
+    return history
 
 
-class _Log:
-    """Everything :func:`train` does around the steps: the per-step losses and gradient
-    norms (kept on the device until the next evaluation, so the loop never waits for a
-    GPU), evaluations on fixed batches, the :class:`History`, the latest and the best
-    checkpoint, the progress bar."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 generator: torch.Generator, config: TrainConfig,
-                 data: tuple[torch.Tensor, torch.Tensor | None],
-                 path: str | os.PathLike | None, show: bool) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.generator, self.config = generator, config
-        self.train_data, self.val_data = data
-        self.path = path
-        self.history = History()
-        self.pending: list[torch.Tensor] = []
-        self.first = 0
-        self.bar = _progress_bar(config.max_steps, show)
-
-    def __enter__(self) -> "_Log":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.bar.close()
-
-    def start(self, resume: bool) -> int:
-        """Resume from the checkpoint (returns its step), or measure the untrained model
-        (returns 0)."""
-        if resume:
-            self.first, self.history = resume_training(
-                self.path, self.model, self.optimizer, self.config, self.generator,
-                _model_device(self.model))
-            self.bar.update(self.first)
-        else:
-            self.evaluate(0)
-        return self.first
-
-    def step(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        self.pending.append(torch.stack([loss.detach().float(), norm.detach().float()]))
-        self.bar.update(1)
-
-    def _flush(self) -> None:
-        """Move the pending values to the history with one synchronisation (and, with
-        several processes, one all-reduce: the batch losses become means over them)."""
-        if self.pending:
-            values = distributed.mean_over_processes(torch.stack(self.pending))
-            losses, norms = values.cpu().T.tolist()
-            self.history.batch_loss.extend(losses)
-            self.history.grad_norm.extend(norms)  # the same in every process
-            self.pending.clear()
-            if not math.isfinite(self.history.batch_loss[-1]):
-                raise FloatingPointError(
-                    f"the training loss became {self.history.batch_loss[-1]} by step "
-                    f"{len(self.history.batch_loss)}; try a lower config.lr or "
-                    "grad_clip")
-
-    def evaluate(self, step: int) -> None:
-        """Record the losses on fixed batches after ``step`` steps; write the
-        checkpoints."""
-        self._flush()
-        config, history = self.config, self.history
-        kwargs = dict(batch_size=config.batch_size,
-                      context_length=config.context_length,
-                      n_batches=config.eval_batches, amp=config.amp)
-        best = min(history.val_loss, default=math.inf)
-        history.step.append(step)
-        history.train_loss.append(
-            evaluate(self.model, self.train_data, seed=config.seed + 1, **kwargs))
-        history.val_loss.append(
-            math.nan if self.val_data is None
-            else evaluate(self.model, self.val_data, seed=config.seed + 2, **kwargs))
-        history.lr.append(lr_at(step, config))
-        self.bar.set_postfix(train=f"{history.train_loss[-1]:.3f}",
-                             val=f"{history.val_loss[-1]:.3f}")
-        self._save(step, self.path)
-        if history.val_loss[-1] < best:  # never true without validation data (NaN)
-            self._save(step, best_checkpoint_path(self.path) if self.path else None)
-
-    def stop(self, end: int) -> None:
-        """End of the session: flush, and keep the state for resume if it stopped
-        between evaluations."""
-        self._flush()
-        if end > self.first and self.history.step[-1] != end:
-            self._save(end, self.path)
-
-    def _save(self, step: int, path: str | os.PathLike | None) -> None:
-        if path is None:
-            return
-        if distributed.rank_and_size()[0] == 0:
-            rng = rng_state(self.generator, _model_device(self.model))
-            save_checkpoint(path, self.model, self.optimizer, step=step,
-                            train_config=self.config, history=self.history, rng=rng)
-        distributed.barrier()  # the file is complete before any process goes on
+def _setup(model: nn.Module, config: TrainConfig, rank: int, world_size: int
+           ) -> tuple[torch.device, torch.optim.Optimizer, nn.Module, slice]:
+    """What :func:`train` runs: the device (``cuda:LOCAL_RANK`` under torchrun) with the
+    model on it in training mode, the optimizer, the module whose call runs the forward
+    pass (in ``DistributedDataParallel`` under several processes, compiled on CUDA when
+    ``config.compile``) and the rows of each batch this process trains on."""
+    device = torch.device(config.device) if config.device else _model_device(model)
+    device = distributed.local_device(device)
+    model.to(device).train()
+    optimizer = configure_optimizer(model, config.lr, config.weight_decay, config.betas,
+                                    optimizer=config.optimizer, fused=config.fused_adamw)
+    forward = distributed.wrap(model, device) if world_size > 1 else model
+    if config.compile and device.type == "cuda":
+        forward = torch.compile(forward)
+    return device, optimizer, forward, distributed.batch_rows(config.batch_size, rank,
+                                                              world_size)
 
 
-def _progress_bar(total: int, show: bool) -> Any:
+def _resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+            config: TrainConfig, generator: torch.Generator, device: torch.device,
+            stop_at: int | None) -> tuple[int, History]:
+    """The checkpoint at ``path`` loaded into the run
+    (:func:`lib.checkpoint.resume_training`): its step and history; ``stop_at`` must not
+    lie before that step."""
+    start, history = resume_training(path, model, optimizer, config, generator, device)
+    if stop_at is not None and stop_at < start:
+        raise ValueError(f"stop_at={stop_at} is before the checkpoint's step {start}")
+    return start, history
+
+
+def _checks_each_step(device: torch.device, world_size: int) -> bool:
+    """Whether :func:`train` reads each step's loss at once (else at evaluations): in one
+    CPU process that costs nothing; on a GPU it would make the host wait for the device
+    every step, and of several processes one could stop while the others wait for it."""
+    return device.type == "cpu" and world_size == 1
+
+
+def _raise_non_finite(loss: float, step: int) -> NoReturn:
+    raise FloatingPointError(f"the training loss became {loss} at step {step} (the batch "
+                             f"of history.batch_loss[{step - 1}]); try a lower config.lr "
+                             "or grad_clip")
+
+
+def _record(history: History, pending: list[torch.Tensor]) -> None:
+    """Move the (loss, gradient norm) of the steps since the last call from the device
+    into ``history`` with one synchronisation (under several processes one all-reduce:
+    the losses become means over them); raise at the first step whose loss is not
+    finite."""
+    if not pending:
+        return
+    values = distributed.mean_over_processes(torch.stack(pending))
+    losses, norms = values.cpu().T.tolist()
+    pending.clear()
+    bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
+    if bad:
+        _raise_non_finite(losses[bad[0]], len(history.batch_loss) + bad[0] + 1)
+    history.batch_loss.extend(losses)
+    history.grad_norm.extend(norms)  # the same in every process
+
+
+def _measure(history: History, model: nn.Module, train_data: torch.Tensor,
+             val_data: torch.Tensor | None, config: TrainConfig, step: int,
+             bar: Any) -> bool:
+    """Append to ``history`` the losses after ``step`` steps on the fixed evaluation
+    batches (and show them on the progress bar); True when the validation loss is a new
+    low (never without validation data: NaN)."""
+    kwargs = dict(batch_size=config.batch_size, context_length=config.context_length,
+                  n_batches=config.eval_batches, amp=config.amp)
+    best = min(history.val_loss, default=math.inf)
+    history.step.append(step)
+    history.train_loss.append(_mean_loss(model, train_data, seed=config.seed + 1,
+                                         **kwargs))
+    history.val_loss.append(math.nan if val_data is None else
+                            _mean_loss(model, val_data, seed=config.seed + 2, **kwargs))
+    history.lr.append(lr_at(step, config))
+    bar.set_postfix(train=history.train_loss[-1], val=history.val_loss[-1])
+    return history.val_loss[-1] < best
+
+
+def _save(path: str | os.PathLike | None, model: nn.Module,
+          optimizer: torch.optim.Optimizer, generator: torch.Generator,
+          config: TrainConfig, history: History, step: int, best: bool) -> None:
+    """Write the run after ``step`` steps to ``path`` (None: nowhere) and, with ``best``,
+    to :func:`best_checkpoint_path` too. Rank 0 writes; every process waits until it
+    has."""
+    if path is None:
+        return
+    if distributed.rank_and_size()[0] == 0:
+        rng = rng_state(generator, _model_device(model))
+        for target in (path, best_checkpoint_path(path)) if best else (path,):
+            save_checkpoint(target, model, optimizer, step=step, train_config=config,
+                            history=history, rng=rng)
+    distributed.barrier()  # the files are complete before any process goes on
+
+
+def _progress_bar(total: int, initial: int, show: bool) -> Any:
     with warnings.catch_warnings():
         # In a Jupyter kernel without ipywidgets, tqdm.auto warns (on stderr) and falls
         # back to a text bar; the warning would differ between a run that trains and one
@@ -353,4 +357,5 @@ def _progress_bar(total: int, show: bool) -> Any:
         warnings.filterwarnings("ignore", message="IProgress not found")
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, disable=not show, desc="training", unit="step")
+        return tqdm(total=total, initial=initial, disable=not show, desc="training",
+                    unit="step")

@@ -310,6 +310,50 @@ def test_non_finite_loss_stops_with_a_clear_error():
         train(Exploding(), repeated(), None, quick_config(), progress=False)
 
 
+def nan_at(model: nn.Module, bad_step: int) -> nn.Module:
+    """``model`` whose training loss is NaN at training step ``bad_step`` (1-based) and after."""
+    original_forward, calls = model.forward, {"n": 0}
+
+    def forward(x, y):
+        logits, loss = original_forward(x, y)
+        calls["n"] += model.training  # evaluation runs in eval mode and is not counted
+        return logits, loss * float("nan") if calls["n"] >= bad_step else loss
+
+    model.forward = forward
+    return model
+
+
+def test_on_a_cpu_a_non_finite_loss_stops_the_run_at_its_step_before_its_update(tmp_path):
+    """Step 7's loss is NaN: the error names step 7 and the weights are those after step 6
+    (the run of a model that stops there), so neither step 7 nor any later one changed them."""
+    data, config = repeated(), quick_config(max_steps=30, eval_interval=10)
+    path = tmp_path / "run.safetensors"
+    model = nan_at(small_gpt(), bad_step=7)
+    with pytest.raises(FloatingPointError, match=r"became nan at step 7 \(.*batch_loss\[6\]\)"):
+        train(model, data, data, config, checkpoint_path=path, progress=False)
+    six_steps = small_gpt()
+    train(six_steps, data, data, config, progress=False, stop_at=6)
+    assert same_weights(model, six_steps)
+    assert load_checkpoint(path, small_gpt()).step == 0  # nothing saved after the NaN
+
+
+@pytest.mark.parametrize("bad_step, stop_at", [(7, None), (23, None), (13, 15)])
+def test_where_reading_each_loss_would_wait_for_a_gpu_the_first_bad_step_is_named_later(
+        tmp_path, monkeypatch, bad_step, stop_at):
+    """The deferred check (a GPU's, or several processes'), forced on the CPU: the losses are
+    read at the next evaluation (steps 10, 20, 30), or at the end of a session that stops
+    between evaluations; the error names the first bad step, and nothing is saved after it."""
+    from lib import training
+
+    monkeypatch.setattr(training, "_checks_each_step", lambda device, world_size: False)
+    data, config = repeated(), quick_config(max_steps=30, eval_interval=10)
+    path = tmp_path / "run.safetensors"
+    model = nan_at(small_gpt(), bad_step)
+    with pytest.raises(FloatingPointError, match=rf"became nan at step {bad_step} "):
+        train(model, data, data, config, checkpoint_path=path, progress=False, stop_at=stop_at)
+    assert load_checkpoint(path, small_gpt()).step == (bad_step - 1) // 10 * 10
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -371,10 +415,6 @@ def test_a_model_that_does_not_return_logits_and_loss_is_a_type_error():
 
 def test_other_helpers_reject_bad_arguments():
     model = small_gpt()
-    with pytest.raises(ValueError, match="step must be a non-negative int"):
-        lr_at(-1, quick_config())
-    with pytest.raises(TypeError, match="config must be a TrainConfig"):
-        lr_at(0, {"lr": 1.0})
     with pytest.raises(ValueError, match="weight_decay must be"):
         configure_optimizer(model, 1e-3, -0.5)
     with pytest.raises(ValueError, match="lr must be"):
