@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from lib.checks import check_int, check_number, check_type
+from lib.checks import check_number, check_type
 
 __all__ = ["ATTENTION", "FFN", "SWIGLU", "LoRALinear", "apply_lora", "merge_lora",
            "lora_state_dict"]
@@ -101,22 +101,19 @@ class LoRALinear(nn.Module):
 def _check_rank(r: object, base: nn.Linear) -> int:
     """``r`` if it is an int in ``[1, min(in_features, out_features)]`` of ``base``."""
     limit = min(base.in_features, base.out_features)
-    if check_int("r", r) > limit:
-        raise ValueError(f"r must be <= min(in_features, out_features) = {limit}, "
-                         f"got {r}")
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= limit:
+        raise ValueError(f"r must be an int with 1 <= r <= min(in_features, out_features) = "
+                         f"{limit}, got {r!r}")
     return r
 
 
 def _check_targets(targets: object) -> tuple[str, ...]:
     """``targets`` as a tuple of non-empty layer names, or a clear error."""
-    if isinstance(targets, str) or not isinstance(targets, Iterable):
-        raise TypeError(f"targets must be a list or tuple of layer names such as "
-                        f"{ATTENTION}, got {targets!r}")
-    targets = tuple(targets)
-    if not targets or not all(isinstance(t, str) and t for t in targets):
+    names = () if isinstance(targets, str) or not isinstance(targets, Iterable) else tuple(targets)
+    if not names or not all(isinstance(t, str) and t for t in names):
         raise ValueError(f"targets must be a non-empty list of layer names such as "
                          f"{ATTENTION}, got {targets!r}")
-    return targets
+    return names
 
 
 def _target_layers(model: nn.Module, targets: tuple[str, ...], r: int) -> list[str]:
@@ -162,8 +159,6 @@ def apply_lora(model: nn.Module, targets: Iterable[str], r: int = 8,
     layer whose weight is shared with another module (a tied head) or a model that
     already has adapters raises a ValueError, before anything is changed.
     """
-    check_type("model", model, nn.Module, "torch.nn.Module")
-    check_int("r", r)
     check_number("alpha", alpha, low=0, low_open=True)
     check_number("dropout", dropout, 0, 1, high_open=True)
     names = _target_layers(model, _check_targets(targets), r)
@@ -180,7 +175,6 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Replace every :class:`LoRALinear` in ``model`` by the plain ``nn.Linear`` with
     the update folded in (same outputs, no extra cost); returns ``model``. Parameters
     stay frozen. A model without adapters raises a ValueError."""
-    check_type("model", model, nn.Module, "torch.nn.Module")
     wrapped = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if not wrapped:
         raise ValueError("model has no LoRA adapters to merge (apply_lora adds them)")
@@ -194,6 +188,5 @@ def merge_lora(model: nn.Module) -> nn.Module:
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors (``…lora_A``, ``…lora_B``) of ``model``: all that a LoRA
     checkpoint stores besides the base model it adapts."""
-    check_type("model", model, nn.Module, "torch.nn.Module")
     return {name: t for name, t in model.state_dict().items()
             if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
