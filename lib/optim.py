@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lib.checks import check_int, check_number
+from lib.checks import check_number
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic a, b, c of torch.optim.Muon
 
@@ -30,12 +30,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     ``X = G / ||G||_F`` (so every singular value is at most 1), then ``steps`` times
     ``X <- a X + (b A + c A A) X`` with ``A = X X^T`` (on the wide orientation, ``m <= n``). Each
     step maps every singular value ``s`` to ``a s + b s^3 + c s^5``, which pushes it towards 1
-    while leaving the singular vectors alone.
+    while leaving the singular vectors alone. (No checks: every Muon step calls it for every
+    matrix; :class:`MuonAdamW` checks once that its Muon groups hold only matrices.)
     """
-    if not isinstance(G, torch.Tensor) or G.dim() != 2:
-        raise ValueError(f"G must be a 2-D tensor, got {getattr(G, 'shape', type(G).__name__)}")
-    check_int("steps", steps, minimum=0)
-    check_number("eps", eps, low=0, low_open=True)
     a, b, c = NS_COEFFICIENTS
     X = G.to(dtype)
     tall = G.size(0) > G.size(1)
@@ -61,9 +58,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5) -> None:
         check_number("lr", lr, low=0, low_open=True)
-        check_number("weight_decay", weight_decay, low=0)
         check_number("momentum", momentum, 0, 1, high_open=True)
-        check_int("ns_steps", ns_steps, minimum=0)
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, momentum=momentum,
                         nesterov=nesterov, ns_steps=ns_steps, use_muon=False)
         super().__init__(params, defaults)
