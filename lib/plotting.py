@@ -52,8 +52,6 @@ READABLE_PT = 9.5
 
 def min_font_size(fig_width_in: float) -> float:
     """The smallest font size (in the figure's points) that reads as READABLE_PT on the page."""
-    if not isinstance(fig_width_in, (int, float)) or isinstance(fig_width_in, bool) or fig_width_in <= 0:
-        raise ValueError(f"fig_width_in must be a positive number, got {fig_width_in!r}")
     return READABLE_PT * max(1.0, fig_width_in / PAGE_WIDTH_IN)
 
 
@@ -61,8 +59,6 @@ def make_readable(fig: Figure) -> None:
     """Apply the size rule to ``fig`` in place: no text smaller than :func:`min_font_size`."""
     from matplotlib.text import Text
 
-    if not isinstance(fig, Figure):
-        raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
     floor = min_font_size(fig.get_figwidth())
     for ax in fig.axes:
         for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
@@ -175,11 +171,10 @@ def pipeline_figure(highlight: str | Sequence[str] | None = None) -> Figure:
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
     """A table for the book's pages: Markdown that Jupyter renders and the HTML build shows as a table."""
-    if not headers:
-        raise ValueError("headers must name at least one column")
-    for i, row in enumerate(rows):
-        if len(row) != len(headers):
-            raise ValueError(f"rows[{i}] has {len(row)} cells; headers has {len(headers)} columns")
+    bad = [i for i, row in enumerate(rows) if len(row) != len(headers)]
+    if not headers or bad:
+        raise ValueError(f"headers must name at least one column and every row must have one cell "
+                         f"per header ({len(headers)}); rows {bad} do not")
     lines = [list(headers), ["---"] * len(headers), *[[str(x) for x in row] for row in rows]]
     text = "\n".join("| " + " | ".join(str(x) for x in line) + " |" for line in lines)
     try:

@@ -35,22 +35,17 @@ def pick_device(preference: str = "auto") -> torch.device:
     ``preference`` forces one of 'cpu', 'cuda', 'mps' (or 'auto'). The environment variable
     ``GPTBOOK_DEVICE`` overrides 'auto', which lets CI and readers pin the CPU path.
     """
-    if not isinstance(preference, str) or preference not in _VALID_DEVICES:
-        raise ValueError(f"preference must be one of {_VALID_DEVICES}, got {preference!r}")
     if preference == "auto":
         preference = os.environ.get("GPTBOOK_DEVICE", "auto")
-        if preference not in _VALID_DEVICES:
-            raise ValueError(f"GPTBOOK_DEVICE must be one of {_VALID_DEVICES}, got {preference!r}")
+    if preference not in _VALID_DEVICES:
+        raise ValueError(f"preference (or GPTBOOK_DEVICE when preference is 'auto') must be one "
+                         f"of {_VALID_DEVICES}, got {preference!r}")
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    available = {"cuda": torch.cuda.is_available(), "mps": mps, "cpu": True}
     if preference == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise ValueError("preference='cuda' but torch.cuda.is_available() is False")
-    if preference == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("preference='mps' but torch.backends.mps.is_available() is False")
+        return torch.device(next(d for d in ("cuda", "mps", "cpu") if available[d]))
+    if not available[preference]:
+        raise ValueError(f"device {preference!r} was asked for, but torch finds none")
     return torch.device(preference)
 
 

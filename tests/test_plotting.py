@@ -67,7 +67,7 @@ def test_pipeline_figure_rejects_unknown_stage():
 def test_markdown_table():
     table = plotting.markdown_table(["a", "b"], [[1, "x"], [2.5, "y"]])
     assert getattr(table, "data", table) == "| a | b |\n| --- | --- |\n| 1 | x |\n| 2.5 | y |"
-    with pytest.raises(ValueError, match="rows\\[0\\]"):
+    with pytest.raises(ValueError, match=r"one cell per header \(2\); rows \[0\] do not"):
         plotting.markdown_table(["a", "b"], [[1]])
     with pytest.raises(ValueError, match="headers"):
         plotting.markdown_table([], [])
@@ -76,11 +76,6 @@ def test_markdown_table():
 def test_size_rule_scales_with_figure_width():
     assert plotting.min_font_size(6.4) == plotting.READABLE_PT  # narrower than the page: shown as is
     assert plotting.min_font_size(2 * plotting.PAGE_WIDTH_IN) == 2 * plotting.READABLE_PT
-    for bad in (0, -1, "8", True):
-        with pytest.raises(ValueError, match="fig_width_in"):
-            plotting.min_font_size(bad)
-    with pytest.raises(TypeError, match="fig"):
-        plotting.make_readable("not a figure")
 
 
 def test_save_figure_makes_every_text_readable_at_page_width(figdir):
