@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from lib.config import GPTConfig  # noqa: E402
-from lib.positional import RotaryEmbedding, check_rope_scaling, llama3_inv_freq  # noqa: E402
+from lib.positional import check_rope_scaling, llama3_inv_freq, rope_inv_freq  # noqa: E402
 from lib.pretrained import from_hf, from_hf_folder, hf_config_to_gpt_config, read_hf_folder  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -137,7 +137,7 @@ def test_hub_style_gpt2_keys_with_mask_buffers():
         sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     assert_same_model(hf, from_hf(sd, hf.config.to_dict()))
     sd["h.0.attn.bias"] = torch.ones(1, 1, n, n)
-    with pytest.raises(ValueError, match=r"h\.0\.attn\.bias is not the causal mask"):
+    with pytest.raises(ValueError, match=r"state_dict\['h\.0\.attn\.bias'\] is not the causal mask"):
         from_hf(sd, hf.config.to_dict())
 
 
@@ -154,8 +154,8 @@ def test_llama3_inv_freq_matches_transformers():
                             rope_scaling={**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 64})
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
     scaling = {**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 64}
-    rope = RotaryEmbedding(128, 500000.0, scaling=scaling)
-    torch.testing.assert_close(rope.inv_freq, expected, rtol=1e-6, atol=0)
+    ours = rope_inv_freq(128, 500000.0, scaling).float()  # what every RotaryEmbedding uses
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
     plain = 500000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)
     scaled = llama3_inv_freq(plain, 32.0, 1.0, 8.0, 64)
     ratio = plain / scaled
@@ -181,7 +181,7 @@ def test_bad_model_type_and_types():
         from_hf(sd, GPT2Config())
     with pytest.raises(TypeError, match="state_dict must be a dict"):
         from_hf(list(sd.items()), cfg)
-    with pytest.raises(TypeError, match=r"state_dict\['transformer.wte.weight'\] must be a torch.Tensor"):
+    with pytest.raises(ValueError, match=r"state_dict\['transformer.wte.weight'\] is a list, but model's"):
         from_hf({**sd, "transformer.wte.weight": [[0.0]]}, cfg)
 
 
@@ -192,9 +192,9 @@ def test_missing_extra_and_misshapen_tensors_are_named():
         from_hf(missing, cfg)
     with pytest.raises(ValueError, match=r"transformer.h.2.attn.c_attn.weight"):
         from_hf({**sd, "transformer.h.2.attn.c_attn.weight": torch.zeros(32, 96)}, cfg)
-    with pytest.raises(ValueError, match=r"'transformer.h.0.attn.c_attn.weight'\] has shape \(96, 32\)"):
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn.c_attn.weight'\] is a float32 tensor of shape \(96, 32\), but model's blocks.0.attn.q_proj.weight is a float32 tensor of shape \(32, 32\)"):
         from_hf({**sd, "transformer.h.0.attn.c_attn.weight": sd["transformer.h.0.attn.c_attn.weight"].t()}, cfg)
-    with pytest.raises(ValueError, match=r"shape \(97, 32\), but the config implies \(98, 32\)"):
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight'\] is a float32 tensor of shape \(97, 32\), but model's tok_emb.weight is a float32 tensor of shape \(98, 32\)"):
         from_hf(sd, {**cfg, "vocab_size": 98})
     sd, cfg = llama_parts()
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight.*\(32, 64\).*\(16, 64\)"):
@@ -203,12 +203,12 @@ def test_missing_extra_and_misshapen_tensors_are_named():
         from_hf({k: v for k, v in sd.items() if k != "lm_head.weight"}, cfg)
     with pytest.raises(ValueError, match=r"lm_head.weight differs from model.embed_tokens.weight"):
         from_hf(sd, {**cfg, "tie_word_embeddings": True})
-    with pytest.raises(ValueError, match=r"no place for: \['model.layers.0.self_attn.q_proj.bias'\]"):
+    with pytest.raises(ValueError, match=r"no place for: 'model.layers.0.self_attn.q_proj.bias'"):
         from_hf({**sd, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, cfg)
-    stale = {**sd, "model.rotary_emb.inv_freq": RotaryEmbedding(16, 500000.0).inv_freq}
-    with pytest.raises(ValueError, match=r"model.rotary_emb.inv_freq disagrees"):
+    stale = {**sd, "model.rotary_emb.inv_freq": rope_inv_freq(16, 500000.0).float()}
+    with pytest.raises(ValueError, match=r"model.rotary_emb.inv_freq'\] is not the RoPE frequencies"):
         from_hf(stale, cfg)
-    from_hf({**sd, "model.rotary_emb.inv_freq": RotaryEmbedding(16, 10000.0).inv_freq}, cfg)
+    from_hf({**sd, "model.rotary_emb.inv_freq": rope_inv_freq(16, 10000.0).float()}, cfg)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -229,8 +229,8 @@ def test_gpt2_config_fields_lib_cannot_reproduce(change, match):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mlp_bias": True}, "attention_bias=False but mlp_bias=True"),
     ({"head_dim": 32}, "head_dim"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, "rope_type 'yarn'"),
-    ({"rope_parameters": {"rope_type": "default"}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+     r"\['rope_type'\] must be one of \('default', 'llama3'\), got 'yarn'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
     ({"rope_parameters": {**LLAMA3, "factor": 0.5, "rope_theta": 1e4}}, "factor"),
@@ -244,7 +244,7 @@ def test_llama_config_fields_lib_cannot_reproduce(change, match):
 
 
 def test_read_hf_folder_errors(tmp_path):
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="config.json"):
         read_hf_folder(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="neither model.safetensors"):
@@ -279,14 +279,15 @@ def test_bad_values_where_data_enters_are_named(tmp_path):
     """from_hf checks its input where it enters: tensor names and types, weight dtypes,
     config field types, and the files of a checkpoint folder."""
     sd, cfg = gpt2_parts()
-    with pytest.raises(TypeError, match="state_dict keys must be tensor names"):
+    with pytest.raises(ValueError, match="the model has no place for: 3"):
         from_hf({**sd, 3: torch.zeros(1)}, cfg)
     bad = {**sd, "transformer.wpe.weight": sd["transformer.wpe.weight"].long()}
-    with pytest.raises(ValueError, match=r"'transformer.wpe.weight'\] must hold floating-point"):
+    with pytest.raises(ValueError, match=r"'transformer.wpe.weight'\] is a int64 tensor of shape "
+                                         r"\(48, 32\), but model's pos_emb.embedding.weight is a float32"):
         from_hf(bad, cfg)
     with pytest.raises(ValueError, match=r"hf_config does not describe.*d_model"):
         from_hf(sd, {**cfg, "n_embd": "32"})
-    with pytest.raises(ValueError, match=r"hf_config\['tie_word_embeddings'\] must be true or false"):
+    with pytest.raises(ValueError, match=r"hf_config does not describe.*tie_embeddings"):
         from_hf(sd, {**cfg, "tie_word_embeddings": "yes"})
     with pytest.raises(ValueError, match=r"hf_config does not describe.*norm_eps"):
         from_hf(sd, {**cfg, "layer_norm_epsilon": -1.0})
@@ -297,18 +298,7 @@ def test_bad_values_where_data_enters_are_named(tmp_path):
     with pytest.raises(TypeError, match="folder must be a str or pathlib.Path"):
         read_hf_folder(3)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="config.json at .* is not valid JSON"):
-        read_hf_folder(tmp_path)
-    (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="must hold a JSON object"):
-        read_hf_folder(tmp_path)
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
-    with pytest.raises(ValueError, match="has no 'weight_map'"):
-        read_hf_folder(tmp_path)
-    index = '{"weight_map": {"wte.weight": "model-00001-of-00002.safetensors"}}'
-    (tmp_path / "model.safetensors.index.json").write_text(index)
-    with pytest.raises(ValueError, match="lists model-00001-of-00002.safetensors, which is not"):
+    with pytest.raises(ValueError, match="Expecting property name"):  # json's own error
         read_hf_folder(tmp_path)
 
 

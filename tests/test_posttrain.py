@@ -56,15 +56,10 @@ def test_example_layout_masks_exactly_the_prompt():
     assert unmasked.tolist() == full[1:-1]
 
 
-def test_example_layout_equals_transformers_rendering_of_smollm2_template():
-    pytest.importorskip("gguf")
-    from transformers import AutoTokenizer
-
-    from lib.smollm import from_gguf, smollm2_gguf
-
-    path = smollm2_gguf()
-    _, ours = from_gguf(path)
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def test_example_layout_equals_transformers_rendering_of_smollm2_template(
+        smollm2, hf_smollm2_tokenizer):
+    _, ours = smollm2  # the file's tokenizer in lib, parsed once per session (conftest)
+    theirs = hf_smollm2_tokenizer
     messages = [{"role": "user", "content": "What is 2 plus 3?"}]
     inputs, targets = sft_example(ours, messages, '{"answer": 5}')
     whole = messages + [{"role": "assistant", "content": '{"answer": 5}'}]

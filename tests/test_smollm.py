@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lib import smollm
-from lib.gguf import GGUFError, read_gguf
+from lib.gguf import GGUFError
 from lib.smollm import config_from_gguf, from_gguf, smollm2_gguf, unpermute_rope_rows
 
 TEXTS = [
@@ -36,20 +36,18 @@ QUESTIONS = ["What is the capital of France?", "How many legs does a spider have
 
 
 @pytest.fixture(scope="module")
-def path() -> Path:
-    return smollm2_gguf()
+def path(smollm2_path) -> Path:
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")
-def ours(path):
-    return from_gguf(path)
+def ours(smollm2):
+    return smollm2  # from the file parsed once per session (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def hf_tokenizer(hf_smollm2_tokenizer):
+    return hf_smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +133,25 @@ def test_every_weight_equals_transformers(ours, hf_model):
         _, i, *rest = name.split(".")
         key = f"model.layers.{i}.{names['.'.join(rest[:-1])]}.weight"
         assert torch.equal(tensor, hf[key]), name
+
+
+def test_from_gguf_reads_the_file_once_and_fills_by_gguf_names(
+        path, ours, smollm2_file, monkeypatch):
+    """from_gguf = one load_gguf + model_from_gguf + tokenizer_from_gguf (here on the
+    session's parsed file); fill names a tensor with no place and a head that differs
+    from the tied embedding by their GGUF names."""
+    gf, weights = smollm2_file
+    calls = []
+    monkeypatch.setattr(smollm, "load_gguf", lambda p: calls.append(p) or smollm2_file)
+    model, tokenizer = from_gguf(path)
+    assert calls == [path] and tokenizer.encode("Hi there") == ours[1].encode("Hi there")
+    for (name, p), q in zip(model.named_parameters(), ours[0].parameters()):
+        assert torch.equal(p, q), name
+    bad = {**weights, "output.weight": weights["token_embd.weight"] + 1, "blk.0.x.weight":
+           torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"output.weight differs from token_embd.weight, "
+                       r"but the model ties them; .*no place for: 'blk.0.x.weight'"):
+        smollm.model_from_gguf(gf.metadata, bad)
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -235,8 +252,8 @@ def test_env_var_file_with_wrong_checksum(tmp_path, monkeypatch):
         smollm2_gguf()
 
 
-def test_unknown_architecture_and_missing_fields(path):
-    metadata = dict(read_gguf(path).metadata)
+def test_unknown_architecture_and_missing_fields(smollm2_file):
+    metadata = dict(smollm2_file[0].metadata)
     with pytest.raises(GGUFError, match="architecture is 'mamba'"):
         config_from_gguf({**metadata, "general.architecture": "mamba"})
     del metadata["llama.block_count"]
