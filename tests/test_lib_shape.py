@@ -1,0 +1,109 @@
+"""lib keeps the shape issue 25 asks for, so that it reads like nanoGPT's model.py and minbpe:
+
+- checks only where data enters: at most MAX_CHECKS `raise` / `check_*(` statements in all of lib,
+  and none inside any `forward`;
+- short pieces: no function over 50 lines (`train`, the loop a reader reads top to bottom: 90), no
+  class over 110 (`MultiHeadAttention` 60, `GPT` 120), and no helper class in lib/training.py;
+- one path per module, chosen at construction: no attribute or parameter named `fused`, and no
+  `set_fused`, `set_window` or `cpu_kernels.apply` that rewire a model after it is built.
+
+Counted like /work/notes/measure.py: a statement is a line that starts with `raise ` or `check_…(`.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+LIB = Path(__file__).resolve().parent.parent / "lib"
+FILES = sorted(LIB.glob("*.py"))
+CHECK = re.compile(r"^\s*(raise |check_[a-z_]*\()")
+MAX_CHECKS = 220
+FUNCTION_LINES, FUNCTION_EXCEPTIONS = 50, {"train": 90}
+CLASS_LINES, CLASS_EXCEPTIONS = 110, {"MultiHeadAttention": 60, "GPT": 120}
+REWIRING = {"set_fused", "set_window"}
+
+
+def _trees() -> list[tuple[Path, str, ast.Module]]:
+    return [(f, f.read_text(), ast.parse(f.read_text())) for f in FILES]
+
+
+def _lines(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def _fail(problems: list[str], header: str) -> None:
+    if problems:
+        pytest.fail(header + "\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def test_few_checks_in_all_of_lib():
+    per_file = {f.name: sum(bool(CHECK.match(line)) for line in f.read_text().splitlines())
+                for f in FILES}
+    total = sum(per_file.values())
+    biggest = sorted(per_file.items(), key=lambda kv: -kv[1])[:8]
+    assert total <= MAX_CHECKS, (f"{total} raise/check_* statements in lib (at most {MAX_CHECKS}); "
+                                 f"most in {biggest}")
+
+
+def test_no_checks_inside_forward():
+    bad = []
+    for f, src, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "forward":
+                body = src.splitlines()[node.lineno - 1:node.end_lineno]
+                bad += [f"{f.name}:{node.lineno + i} {line.strip()}" for i, line in enumerate(body)
+                        if CHECK.match(line)]
+    _fail(bad, "raise/check_* inside a forward (check where data enters instead):")
+
+
+def test_functions_and_classes_are_short():
+    bad = []
+    for f, _, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = FUNCTION_EXCEPTIONS.get(node.name, FUNCTION_LINES)
+            elif isinstance(node, ast.ClassDef):
+                limit = CLASS_EXCEPTIONS.get(node.name, CLASS_LINES)
+            else:
+                continue
+            if _lines(node) > limit:
+                bad.append(f"{f.name}:{node.lineno} {node.name}: {_lines(node)} lines (at most {limit})")
+    _fail(bad, "too long:")
+
+
+def test_train_is_one_loop_without_a_helper_class():
+    tree = ast.parse((LIB / "training.py").read_text())
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "train" for n in tree.body)
+    classes = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    assert not classes, f"lib/training.py defines helper classes {classes}"
+
+
+def test_no_path_switches_or_rewiring_after_construction():
+    bad = []
+    for f, _, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.arg == "fused":
+                bad.append(f"{f.name}:{node.lineno} parameter 'fused'")
+            elif isinstance(node, ast.Attribute) and node.attr == "fused":
+                bad.append(f"{f.name}:{node.lineno} attribute '.fused'")
+            elif isinstance(node, ast.FunctionDef) and (node.name in REWIRING or (
+                    f.name == "cpu_kernels.py" and node.name == "apply")):
+                bad.append(f"{f.name}:{node.lineno} def {node.name}")
+            elif (isinstance(node, ast.Attribute) and node.attr == "apply"
+                  and isinstance(node.value, ast.Name) and node.value.id == "cpu_kernels"):
+                bad.append(f"{f.name}:{node.lineno} cpu_kernels.apply")
+    _fail(sorted(set(bad)), "path switches or post-construction rewiring (make it a GPTConfig field):")
+
+
+def test_the_shape_rules_catch_what_they_name():
+    """The counters above see a check in a forward, a long function and a `fused` switch."""
+    src = ("class M:\n    def forward(self, x, fused=False):\n        if x is None:\n"
+           "            raise ValueError('x')\n        check_int('n', 1)\n" + "        x = x\n" * 60)
+    tree = ast.parse(src)
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    assert _lines(fn) > FUNCTION_LINES
+    assert sum(bool(CHECK.match(line)) for line in src.splitlines()) == 2
+    assert any(isinstance(n, ast.arg) and n.arg == "fused" for n in ast.walk(tree))
