@@ -1,6 +1,11 @@
 """Data-parallel training: two CPU processes (torchrun, gloo) with half the batch each compute the
-same run as one process with the whole batch; and lib.distributed's pieces (the device each process
-takes from LOCAL_RANK, the rows of the batch it copies) checked one by one in one CPU process."""
+same run as one process with the whole batch; a mixture of experts whose idle experts get no tokens
+trains under DDP too; and lib.distributed's pieces (the device each process takes from LOCAL_RANK,
+the rows of the batch it copies) checked one by one in one CPU process.
+
+Both two-process runs share one torchrun launch (a module fixture): starting two Python processes
+that import torch costs more than either run.
+"""
 from __future__ import annotations
 
 import json
@@ -24,6 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(vocab_size=11, context_length=16, d_model=32, n_layers=2, n_heads=2, d_ff=64)
 CONFIG = dict(max_steps=6, batch_size=8, context_length=16, lr=3e-3, min_lr=3e-4, warmup_steps=2,
               eval_interval=3, eval_batches=2, seed=5)
+# A tiny MoE whose frozen all-zero router ties every expert, so top-1 always picks the same one and
+# the other experts receive no tokens. DDP expects a gradient for every parameter in every step; an
+# expert skipped because it got no tokens would leave its parameters out of the autograd graph and
+# stop the second step with an error.
+MOE_MODEL = dict(vocab_size=11, context_length=16, d_model=32, n_layers=2, n_heads=2, d_ff=32,
+                 ffn="moe", n_experts=4, moe_top_k=1)
+MOE_CONFIG = dict(max_steps=5, batch_size=8, context_length=16, lr=3e-3, min_lr=3e-4, warmup_steps=1,
+                  eval_interval=5, eval_batches=1, seed=3)
 
 
 def _data() -> torch.Tensor:
@@ -42,36 +55,62 @@ WORKER = textwrap.dedent(
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = rank_and_size()
+    data = torch.arange(600) * 7 % 11
+
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     model = GPT(GPTConfig(**{model}))
-    data = torch.arange(600) * 7 % 11
     history = train(model, data, data, TrainConfig(**{config}), checkpoint_path={ckpt!r},
                     progress=True)
     state = {{k: v.tolist() for k, v in model.state_dict().items()}}
     with open({out!r} + f".{{rank}}.json", "w") as f:
         json.dump({{"rank": rank, "world": world, "history": history.as_dict(), "state": state}}, f)
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{moe_model}))
+    counts = []
+    for block in model.blocks:
+        block.ffn.router.weight.data.zero_()
+        block.ffn.router.weight.requires_grad_(False)
+        block.ffn.register_forward_hook(
+            lambda m, i, o: counts.append(m.expert_counts.tolist()) if m.training else None)
+    history = train(model, data, data, TrainConfig(**{moe_config}), progress=False)
+    state = {{k: v.tolist() for k, v in model.state_dict().items()}}
+    with open({out!r} + f".moe.{{rank}}.json", "w") as f:
+        json.dump({{"rank": rank, "history": history.as_dict(), "counts": counts,
+                   "state": state}}, f)
     dist.destroy_process_group()
     """
 )
+
+
+@pytest.fixture(scope="module")
+def torchrun(tmp_path_factory):
+    """One torchrun launch of two CPU processes running both runs; returns its stderr, the
+    checkpoint path, and the per-rank results of the dense and of the MoE run."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    script = tmp_path / "worker.py"
+    out = str(tmp_path / "result")
+    ckpt = str(tmp_path / "ddp.safetensors")
+    script.write_text(WORKER.format(root=str(ROOT), model=MODEL, config=CONFIG, ckpt=ckpt, out=out,
+                                    moe_model=MOE_MODEL, moe_config=MOE_CONFIG))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    dense = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
+    moe = [json.loads(Path(f"{out}.moe.{r}.json").read_text()) for r in (0, 1)]
+    return result.stderr, ckpt, dense, moe
 
 
 def test_outside_torchrun_the_process_is_rank_0_of_1():
     assert rank_and_size() == (0, 1)
 
 
-def test_two_processes_with_half_the_batch_match_one_process(tmp_path):
-    script = tmp_path / "worker.py"
-    out = str(tmp_path / "result")
-    ckpt = str(tmp_path / "ddp.safetensors")
-    script.write_text(WORKER.format(root=str(ROOT), model=MODEL, config=CONFIG, ckpt=ckpt, out=out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
+def test_two_processes_with_half_the_batch_match_one_process(torchrun):
+    stderr, ckpt, ranks, _ = torchrun
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
     # only rank 0 shows a progress bar
-    assert result.stderr.count("6/6") >= 1
+    assert stderr.count("6/6") >= 1
     assert ranks[0]["history"] == ranks[1]["history"]
 
     torch.manual_seed(0)
@@ -90,6 +129,31 @@ def test_two_processes_with_half_the_batch_match_one_process(tmp_path):
     assert load_checkpoint(ckpt, check).step == CONFIG["max_steps"]
     for name, value in check.state_dict().items():
         torch.testing.assert_close(value, torch.tensor(ranks[0]["state"][name]))
+
+
+def test_moe_with_idle_experts_trains_under_ddp_and_ranks_agree(torchrun):
+    """The MoE run must finish, every step must have had idle experts, and both processes must
+    end with the same weights."""
+    ranks = torchrun[3]
+    for r in ranks:
+        # one record per layer and training step; in every one a single expert got all the tokens
+        assert len(r["counts"]) == MOE_MODEL["n_layers"] * MOE_CONFIG["max_steps"]
+        assert all(sorted(c)[:-1] == [0, 0, 0] for c in r["counts"])
+        assert len(r["history"]["batch_loss"]) == MOE_CONFIG["max_steps"]
+    assert ranks[0]["history"] == ranks[1]["history"]
+    for name, value in ranks[0]["state"].items():
+        torch.testing.assert_close(torch.tensor(ranks[1]["state"][name]), torch.tensor(value),
+                                   rtol=0, atol=0)
+    # the busy expert of layer 0 learned; the idle ones moved only by weight decay
+    busy = {max(range(4), key=c.__getitem__) for c in ranks[0]["counts"][::MOE_MODEL["n_layers"]]}
+    assert len(busy) == 1
+    torch.manual_seed(0)
+    start = GPT(GPTConfig(**MOE_MODEL)).state_dict()
+    key = "blocks.0.ffn.experts.{}.w_up.weight"
+    moved = [(torch.tensor(ranks[0]["state"][key.format(e)]) - start[key.format(e)]).abs().max().item()
+             for e in range(4)]
+    idle = [m for e, m in enumerate(moved) if e not in busy]
+    assert moved[busy.pop()] > 10 * max(idle)
 
 
 def test_a_batch_that_does_not_split_evenly_is_rejected(monkeypatch):
