@@ -2,7 +2,9 @@
 
 The tensors (weights, optimizer moments, random-generator states) go in the file body under
 ``model/…``, ``optim/…`` and ``rng/…``; the model and training configs, the step, the history and
-any extra JSON data go in its header. Files are written to a temporary name and renamed into place,
+any extra JSON data go in its header. The model config is every field of the ``GPTConfig`` that
+built the model, so ``GPT(GPTConfig.from_dict(checkpoint.model_config))`` builds what ran; loading
+fills the model with :func:`lib.pretrained.fill`, the loader Hugging Face and GGUF files use. Files are written to a temporary name and renamed into place,
 so a crash never leaves half a checkpoint. :func:`resume_training` restores everything the next training
 step depends on, so on CPU a resumed run produces the same losses, bit for bit, as one that was
 never interrupted.
@@ -22,6 +24,7 @@ from torch import nn
 
 from lib.checks import check_int, check_type
 from lib.config import History, TrainConfig
+from lib.pretrained import fill
 
 __all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "resume_training", "rng_state",
            "best_checkpoint_path"]
@@ -35,14 +38,12 @@ _RESUMABLE_FIELDS = ("device", "compile", "fused_adamw")
 def best_checkpoint_path(path: str | os.PathLike) -> Path:
     """Where :func:`lib.training.train` keeps the checkpoint of the lowest validation loss so far,
     next to its latest one at ``path``: ``run.safetensors`` -> ``run.best.safetensors``."""
-    check_type("path", path, (str, os.PathLike), "str or os.PathLike")
     path = Path(path)
     return path.with_name(f"{path.stem}.best{path.suffix}")
 
 
-def _model_config_dict(model: nn.Module) -> dict[str, Any] | None:
-    """The model's ``config`` (a dataclass, as on ``lib.model.GPT``) as JSON data, or None."""
-    config = getattr(model, "config", None)
+def _config_dict(config: Any) -> dict[str, Any] | None:
+    """A dataclass config (``GPTConfig``) as JSON data, or None."""
     if config is None or not dataclasses.is_dataclass(config):
         return None
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
@@ -50,7 +51,9 @@ def _model_config_dict(model: nn.Module) -> dict[str, Any] | None:
 
 @dataclass
 class Checkpoint:
-    """What :func:`load_checkpoint` read besides the weights it loaded into the model."""
+    """What :func:`load_checkpoint` read besides the weights it loaded into the model.
+    ``model_config`` is the saved model config as a dict (``GPTConfig.from_dict`` rebuilds
+    it), with the defaults of fields added to the config class after the file was written."""
 
     step: int
     model_config: dict[str, Any] | None
@@ -102,34 +105,9 @@ def _check_checkpoint_args(path: Any, model: Any, optimizer: Any) -> None:
     check_type("optimizer", optimizer, torch.optim.Optimizer, "torch.optim.Optimizer", optional=True)
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    step: int = 0, train_config: TrainConfig | None = None, history: History | None = None,
-                    rng: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` (and optionally the optimizer and run state) to one safetensors file, atomically.
-
-    Tensors go in the file body under ``model/…``, ``optim/…`` and ``rng/…``; configs, step, history
-    and ``extra`` (any JSON data) go in its header. The file is written next to ``path`` under a
-    temporary name and renamed over ``path``, so readers only ever see a complete checkpoint.
-    """
-    from safetensors.torch import save_file
-
-    _check_checkpoint_args(path, model, optimizer)
-    check_int("step", step, minimum=0)
-    check_type("train_config", train_config, TrainConfig, "TrainConfig", optional=True)
-    check_type("history", history, History, "History", optional=True)
-    try:
-        extra_json = json.loads(json.dumps(extra or {}))
-    except TypeError as exc:
-        raise ValueError(f"extra must be JSON-serialisable data: {exc}") from None
-
-    named = {f"model/{k}": v for k, v in model.state_dict().items()}
-    optim_meta = None
-    if optimizer is not None:
-        optim_tensors, optim_meta = _flatten_optimizer(optimizer)
-        named.update(optim_tensors)
-    named.update({f"rng/{k}": v for k, v in (rng or {}).items()})
-
-    # Tied weights are one tensor under two names: store it once and remember the alias.
+def _store_once(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to write, each on the CPU with storage of its own, and the aliases: a tied
+    weight is one tensor under two names, stored under the first and remembered for the second."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -148,19 +126,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             tensor = tensor.clone()  # a partial view of a stored tensor: safetensors wants its own copy
         storages.update({pointer, tensor.untyped_storage().data_ptr()})
         tensors[name] = tensor
+    return tensors, aliases
 
-    header = {
-        "format": _FORMAT,
-        "step": step,
-        "model_class": type(model).__name__,
-        "model_config": _model_config_dict(model),
-        "train_config": None if train_config is None else train_config.to_dict(),
-        "history": None if history is None else history.as_dict(),
-        "optimizer": optim_meta,
-        "aliases": aliases,
-        "extra": extra_json,
-    }
-    path = Path(path)
+
+def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> Path:
+    """Write a safetensors file next to ``path`` under a temporary name and rename it over ``path``,
+    so readers only ever see a complete checkpoint."""
+    from safetensors.torch import save_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -174,6 +147,36 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     return path
 
 
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    step: int = 0, train_config: TrainConfig | None = None, history: History | None = None,
+                    rng: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` (and optionally the optimizer and run state) to one safetensors file, atomically.
+
+    Tensors go in the file body under ``model/…``, ``optim/…`` and ``rng/…``; the model's config
+    (every field of a ``GPTConfig``), the training config, step, history and ``extra`` (any JSON
+    data) go in its header.
+    """
+    _check_checkpoint_args(path, model, optimizer)
+    check_int("step", step, minimum=0)
+    named = {f"model/{k}": v for k, v in model.state_dict().items()}
+    optim_tensors, optim_meta = _flatten_optimizer(optimizer) if optimizer is not None else ({}, None)
+    named.update(optim_tensors)
+    named.update({f"rng/{k}": v for k, v in (rng or {}).items()})
+    tensors, aliases = _store_once(named)
+    header = {
+        "format": _FORMAT,
+        "step": step,
+        "model_class": type(model).__name__,
+        "model_config": _config_dict(getattr(model, "config", None)),
+        "train_config": None if train_config is None else train_config.to_dict(),
+        "history": None if history is None else history.as_dict(),
+        "optimizer": optim_meta,
+        "aliases": aliases,
+        "extra": json.loads(json.dumps(extra or {})),
+    }
+    return _write_atomically(Path(path), tensors, header)
+
+
 def _config_mismatch(saved: dict[str, Any] | None, current: dict[str, Any] | None,
                      ignore: tuple[str, ...] = ()) -> list[str]:
     if saved is None or current is None:
@@ -183,55 +186,56 @@ def _config_mismatch(saved: dict[str, Any] | None, current: dict[str, Any] | Non
             for k in keys if saved.get(k, "<missing>") != current.get(k, "<missing>")]
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> Checkpoint:
-    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
-
-    The model's ``config`` (when it has a dataclass config, as ``lib.model.GPT`` does) must equal
-    the saved one, and the saved tensors must match the model's names and shapes; otherwise a
-    ValueError lists what differs. Returns the rest of the run state as a :class:`Checkpoint`.
-    """
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The header and the tensors (aliases restored) of a file written by :func:`save_checkpoint`."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    _check_checkpoint_args(path, model, optimizer)
-    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path {str(path)!r} is not a checkpoint file (it does not exist)")
     try:
         with safe_open(str(path), framework="pt") as f:
             header = json.loads((f.metadata() or {})["gptbook"])
         tensors = load_file(str(path), device="cpu")
-    except Exception as exc:  # noqa: BLE001 - any parse failure means "not our checkpoint"
-        raise ValueError(f"path {str(path)!r} is not a readable checkpoint written by save_checkpoint: "
-                         f"{exc}") from None
+    except Exception:  # noqa: BLE001 - any parse failure means "not our checkpoint"
+        header = {}
     if header.get("format") != _FORMAT:
-        raise ValueError(f"path {str(path)!r} has format {header.get('format')!r}, expected {_FORMAT!r}")
+        raise ValueError(f"path {str(path)!r} is not a readable checkpoint written by save_checkpoint "
+                         f"(format {_FORMAT!r})")
     for name, target in header["aliases"].items():
         tensors[name] = tensors[target]
+    return header, tensors
 
-    mismatch = _config_mismatch(header["model_config"], _model_config_dict(model))
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> Checkpoint:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
+
+    The model's ``config`` (when it has a dataclass config, as ``lib.model.GPT`` does) must equal
+    the saved one (a field the file lacks, being older than the field, counts as its default), and
+    the saved tensors must fit the model (:func:`lib.pretrained.fill`); otherwise a ValueError lists
+    what differs. Returns the rest of the run state as a :class:`Checkpoint`.
+    """
+    _check_checkpoint_args(path, model, optimizer)
+    header, tensors = _read(Path(path))
+    config = getattr(model, "config", None)
+    saved = header["model_config"]
+    if saved is not None and dataclasses.is_dataclass(config):  # older files lack newer fields
+        defaults = {f.name: f.default for f in dataclasses.fields(config)
+                    if f.default is not dataclasses.MISSING}
+        saved = {**json.loads(json.dumps(defaults, default=str)), **saved}
+    mismatch = _config_mismatch(saved, _config_dict(config))
     if mismatch:
         raise ValueError("the checkpoint's model config does not match model: " + "; ".join(mismatch))
     weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-    expected = model.state_dict()
-    problems = [f"missing {k}" for k in expected if k not in weights]
-    problems += [f"unexpected {k}" for k in weights if k not in expected]
-    problems += [f"{k}: checkpoint shape {tuple(weights[k].shape)}, model shape {tuple(v.shape)}"
-                 for k, v in expected.items() if k in weights and weights[k].shape != v.shape]
-    if problems:
-        raise ValueError(f"the checkpoint's tensors do not fit model ({header['model_class']} saved): "
-                         + "; ".join(problems[:10]) + (" …" if len(problems) > 10 else ""))
-    model.load_state_dict(weights)
+    fill(model, weights, "the checkpoint")
     if optimizer is not None:
         if header["optimizer"] is None:
             raise ValueError(f"optimizer was given but path {str(path)!r} holds no optimizer state")
-        if len(header["optimizer"]["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError("optimizer has a different number of parameter groups than the checkpoint's")
         optimizer.load_state_dict(_unflatten_optimizer(tensors, header["optimizer"], optimizer))
     return Checkpoint(
         step=header["step"],
-        model_config=header["model_config"],
+        model_config=saved,
         train_config=None if header["train_config"] is None else TrainConfig.from_dict(header["train_config"]),
         history=None if header["history"] is None else History.from_dict(header["history"]),
         extra=header["extra"],
