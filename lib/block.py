@@ -14,6 +14,7 @@ from torch import nn
 
 from lib.attention import KVCache, MultiHeadAttention
 from lib.config import GPTConfig
+from lib.cpu_kernels import CPUMultiHeadAttention
 from lib.feedforward import MoE, FeedForward, SwiGLU
 from lib.norms import LayerNorm, RMSNorm
 from lib.positional import RotaryEmbedding
@@ -56,16 +57,20 @@ class TransformerBlock(nn.Module):
                                    config.rope_scaling,
                                    config.context_length)
         self.norm1 = make_norm(config)
-        self.attn = MultiHeadAttention(
-            config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
-            bias=config.bias, dropout=config.dropout, window=config.window,
-            qk_norm=config.qk_norm)
+        attention = CPUMultiHeadAttention if config.cpu_kernels else MultiHeadAttention
+        self.attn = attention(config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
+                              bias=config.bias, dropout=config.dropout,
+                              window=config.window, sinks=config.sinks,
+                              qk_norm=config.qk_norm)
         self.norm2 = make_norm(config)
         self.ffn = make_ffn(config)
 
-    def forward(self, x: torch.Tensor, offset: int = 0,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``."""
+    def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``, and
+        the feed-forward network's auxiliary loss (a mixture of experts' load-balancing
+        loss; None for the other networks)."""
         x = x + self.attn(self.norm1(x), offset, kv_cache)  # tokens share information
-        x = x + self.ffn(self.norm2(x))  # each token processed on its own
-        return x
+        h = self.ffn(self.norm2(x))  # each token processed on its own
+        h, aux_loss = h if isinstance(h, tuple) else (h, None)  # MoE: (output, its loss)
+        return x + h, aux_loss

@@ -122,12 +122,13 @@ def check_token_ids(name: str, ids: Any, dim: int | None = None,
     Only the type and shape are looked at, which costs nothing; see :func:`check_id_range` for the
     values.
     """
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name} must be an integer tensor of token ids, got {type(ids).__name__}")
+    integer = isinstance(ids, torch.Tensor) and not (
+        ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+    if not integer:
+        raise TypeError(f"{name} must be an integer tensor of token ids, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
     if dim is not None and ids.dim() != dim:
         raise ValueError(f"{name} must be a {dim}-D tensor of token ids, got shape {tuple(ids.shape)}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {ids.dtype}")
     if nonempty and (ids.dim() == 0 or ids.size(-1) == 0):
         raise ValueError(f"{name} must hold at least one token id per row, got shape "
                          f"{tuple(ids.shape)}")

@@ -13,10 +13,11 @@ by ``tests/test_fast_paths.py`` to compute what the written-out path computes:
 - torch's fused AdamW kernel, a training setting: ``TrainConfig(fused_adamw=True)``,
   which :func:`lib.profiles.cpu_profile` sets.
 
-The first two live in :class:`CPUMultiHeadAttention`; :func:`apply` swaps it in for
-every :class:`lib.attention.MultiHeadAttention` of a model (same parameters, same
-results up to rounding). Nothing a chapter shows depends on this module; chapter 11 and
-the tiny model's training run apply it.
+The first two live in :class:`CPUMultiHeadAttention`, which a model uses in place of
+:class:`lib.attention.MultiHeadAttention` when its config says so
+(``GPTConfig(cpu_kernels=True)``, which :func:`lib.profiles.cpu_profile` sets): same
+parameters, same results up to rounding. Nothing a chapter shows depends on this module;
+the tiny model of :mod:`lib.tiny_model` does not use it.
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from torch import nn
 
 from lib.attention import KVCache, MultiHeadAttention, attention_mask, repeat_kv
 
-__all__ = ["BMM_MAX_POSITIONS", "CPUMultiHeadAttention", "apply",
-           "causal_attention_bmm"]
+__all__ = ["BMM_MAX_POSITIONS", "CPUMultiHeadAttention", "causal_attention_bmm"]
 
 # Up to this many positions causal_attention_bmm is faster on a CPU than torch's fused
 # kernel (benchmarks/cpu_kernels.py); longer sequences go to the fused kernel.
@@ -61,13 +61,12 @@ class CPUMultiHeadAttention(MultiHeadAttention):
     """:class:`lib.attention.MultiHeadAttention` with the CPU path for short causal
     sequences: q, k and v from one stacked matmul, queries and keys rotated in one call,
     :func:`causal_attention_bmm`. Everything else (a KV cache, a window, more than
-    :data:`BMM_MAX_POSITIONS` positions, another device, ``fused = False``, projections
-    that are not plain hook-free ``nn.Linear`` layers, e.g. LoRA) takes the parent's
-    forward."""
+    :data:`BMM_MAX_POSITIONS` positions, another device, projections that are not plain
+    hook-free ``nn.Linear`` layers, e.g. LoRA) takes the parent's forward."""
 
     def forward(self, x: torch.Tensor, offset: int = 0,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        if not self._takes_cpu_path(x, kv_cache) or offset:
+        if not self._takes_cpu_path(x, offset, kv_cache):
             return super().forward(x, offset, kv_cache)
         B, T, C = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -76,7 +75,7 @@ class CPUMultiHeadAttention(MultiHeadAttention):
         b = None if self.q_proj.bias is None else torch.cat([m.bias for m in proj])
         qkv = F.linear(x, w, b).view(B, T, H + 2 * H_kv, D).transpose(1, 2)
         qk, v = qkv.split([H + H_kv, H_kv], dim=1)  # (B, H + H_kv, T, D), v
-        if self.qk_norm:
+        if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         if self.rope is not None:
             qk = self.rope(qk)  # queries and keys rotated in one call
@@ -86,20 +85,12 @@ class CPUMultiHeadAttention(MultiHeadAttention):
         y = causal_attention_bmm(q, k, v, dropout_p=p)  # (B, H, T, D)
         return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
 
-    def _takes_cpu_path(self, x: torch.Tensor, kv_cache: KVCache | None) -> bool:
+    def _takes_cpu_path(self, x: torch.Tensor, offset: int,
+                        kv_cache: KVCache | None) -> bool:
         """True when the CPU path computes what the parent's forward would."""
         plain = all(type(m) is nn.Linear and not m._forward_hooks
                     and not m._forward_pre_hooks
                     for m in (self.q_proj, self.k_proj, self.v_proj))
-        return (plain and self.fused and kv_cache is None and self.window is None
+        return (plain and offset == 0 and kv_cache is None and self.window is None
                 and x.device.type == "cpu" and x.size(1) <= BMM_MAX_POSITIONS)
 
-
-def apply(model: nn.Module) -> nn.Module:
-    """Give every :class:`lib.attention.MultiHeadAttention` in ``model`` the CPU path of
-    :class:`CPUMultiHeadAttention` (in place: the parameters stay where they are).
-    Returns ``model``."""
-    for module in model.modules():
-        if type(module) is MultiHeadAttention:
-            module.__class__ = CPUMultiHeadAttention
-    return model

@@ -13,10 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lib.checks import check_choice, check_int, check_number
-
-GELU_APPROXIMATIONS = ("none", "tanh")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+__all__ = ["FeedForward", "GELU", "MoE", "SwiGLU", "gelu"]
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -25,41 +22,25 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     ``approximate="none"`` uses the exact CDF (via ``erf``); ``"tanh"`` uses the tanh
     formula of the original GELU paper, which GPT-2 was trained with.
     """
-    if approximate == "none":
-        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
     if approximate == "tanh":
         inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))
         return 0.5 * x * (1.0 + torch.tanh(inner))
-    raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, "
-                     f"got {approximate!r}")
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
 class GELU(nn.Module):
-    """:func:`gelu` as a module (so that hooks can be attached to it).
-
-    With ``fused=True`` (the default) it calls torch's fused ``F.gelu``, which computes
-    the same function several times faster on a CPU; ``fused=False`` runs the
-    written-out :func:`gelu`.
-    """
+    """:func:`gelu` as a module (so that hooks can be attached to it), through torch's
+    ``F.gelu``, which computes the same function several times faster on a CPU."""
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
-        self.approximate = check_choice("approximate", approximate, GELU_APPROXIMATIONS)
-        self.fused = True  # False: the written-out formula
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return F.gelu(x, approximate=self.approximate)
-        return gelu(x, self.approximate)
+        return F.gelu(x, approximate=self.approximate)
 
     def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}, fused={self.fused}"
-
-
-def _check_sizes(d_model: int, d_ff: int, dropout: float) -> None:
-    check_int("d_model", d_model)
-    check_int("d_ff", d_ff)
-    check_number("dropout", dropout, 0, 1, high_open=True)
+        return f"approximate={self.approximate!r}"
 
 
 class FeedForward(nn.Module):
@@ -69,8 +50,6 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, activation: str = "gelu",
                  bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
-        _check_sizes(d_model, d_ff, dropout)
-        check_choice("activation", activation, ACTIVATIONS)
         self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
         self.act = {"gelu": GELU("none"), "gelu_tanh": GELU("tanh"),
                     "relu": nn.ReLU()}[activation]
@@ -93,7 +72,6 @@ class SwiGLU(nn.Module):
     def __init__(self, d_model: int, d_ff: int, bias: bool = False,
                  dropout: float = 0.0) -> None:
         super().__init__()
-        _check_sizes(d_model, d_ff, dropout)
         self.w_gate = nn.Linear(d_model, d_ff, bias=bias)
         self.w_up = nn.Linear(d_model, d_ff, bias=bias)
         self.act = nn.SiLU()  # silu(z) = z * sigmoid(z)
@@ -116,27 +94,23 @@ class MoE(nn.Module):
     ``sum_i g_i * expert_i(x)`` over the chosen experts. Only the chosen experts work on
     a token, so it uses ``top_k / n_experts`` of the experts' parameters.
 
-    After each forward pass two attributes describe the routing of that batch:
-    ``expert_counts`` ``(n_experts,)``, how many (token, slot) assignments each expert
-    received, and ``aux_loss``, the Switch Transformer load-balancing loss
-    ``n_experts * sum_e f_e P_e`` (``f_e``: fraction of the assignments that went to
-    expert ``e``; ``P_e``: mean router probability of ``e``). It is 1 when routing is
-    uniform and grows as the load concentrates; :class:`lib.model.GPT` adds it,
-    weighted, to the training loss.
+    ``forward`` returns the output and the Switch Transformer load-balancing loss
+    ``n_experts * sum_e f_e P_e`` of the batch (``f_e``: fraction of the (token, slot)
+    assignments that went to expert ``e``; ``P_e``: mean router probability of ``e``).
+    It is 1 when routing is uniform and grows as the load concentrates;
+    :class:`lib.model.GPT` adds it, weighted, to the training loss. For plots,
+    ``expert_counts`` ``(n_experts,)`` keeps how many assignments each expert received in
+    the last batch.
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int,
                  bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
-        _check_sizes(d_model, d_ff, dropout)
-        self.n_experts = check_int("n_experts", n_experts, minimum=2)
-        self.top_k = check_int("top_k", top_k, minimum=1, maximum=n_experts)
-        self.d_model = d_model
+        self.n_experts, self.top_k, self.d_model = n_experts, top_k, d_model
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(d_model, d_ff, bias=bias)
                                      for _ in range(n_experts))
         self.dropout = nn.Dropout(dropout)
-        self.aux_loss: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,7 +129,9 @@ class MoE(nn.Module):
             return probs, experts, top_p
         return probs, experts, top_p / top_p.sum(dim=-1, keepdim=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``(B, T, C)`` -> the output ``(B, T, C)`` and the load-balancing loss
+        (a 0-dim tensor)."""
         flat = x.reshape(-1, self.d_model)  # (N, C), N = B * T tokens
         probs, experts, gates = self.route(flat)
         out = torch.zeros_like(flat)
@@ -167,9 +143,9 @@ class MoE(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
         fraction = counts.float() / experts.numel()  # f_e, sums to 1
-        self.aux_loss = self.n_experts * (fraction * probs.mean(dim=0)).sum()
+        aux_loss = self.n_experts * (fraction * probs.mean(dim=0)).sum()
         self.expert_counts = counts.detach()
-        return self.dropout(out.reshape(x.shape))
+        return self.dropout(out.reshape(x.shape)), aux_loss
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, top_k={self.top_k}"

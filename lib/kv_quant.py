@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from lib.attention import KVCache
-from lib.checks import check_type
 
 __all__ = ["QuantizedKVCache", "dequantize_int8", "quantize_int8"]
 
@@ -25,11 +24,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the last dimension 1 (``max |x| / 127`` of each row; rows of zeros get scale 1). The
     rounding error of each entry is at most ``scale / 2``.
     """
-    check_type("x", x, torch.Tensor)
-    if not x.is_floating_point() or x.dim() < 1:
-        raise ValueError(f"x must be a floating-point tensor with at least one "
-                         f"dimension, "
-                         f"got dtype {x.dtype} and shape {tuple(x.shape)}")
     absmax = x.detach().abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     q = torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)

@@ -1,18 +1,16 @@
-"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm (Llama), written out in plain
-torch.
+"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm (Llama).
 
 Both rescale each token's vector (the last dimension) to a standard size and then apply
 a learned per-feature gain. LayerNorm first removes the mean and also learns a shift;
-RMSNorm only divides by the root mean square. The written-out statistics are computed in
-at least float32, so the layers stay accurate when the rest of the model runs in
-bfloat16 or float16.
+RMSNorm only divides by the root mean square.
 
-By default (``fused=True``) ``forward`` hands the same computation to torch's own
-function when input and weight share a dtype: ``F.layer_norm``, one fused kernel,
-several times faster on a CPU; ``F.rms_norm``, which on a CPU still runs as a handful of
-operations (torch 2.13), so there RMSNorm costs more time than LayerNorm despite its
-smaller arithmetic (``benchmarks/cpu_kernels.py``). ``fused=False`` runs the formula
-written out. The tests check both paths against ``nn.LayerNorm`` / ``nn.RMSNorm``.
+- :func:`layer_norm` and :func:`rms_norm`: the formulas written out, with the statistics
+  in at least float32. Chapters build and show them; tests hold them against
+  ``nn.LayerNorm`` and ``nn.RMSNorm``.
+- :class:`LayerNorm` and :class:`RMSNorm`: the layers a model uses. Their ``forward`` is
+  torch's kernel, ``F.layer_norm`` or ``F.rms_norm`` (on a CPU the latter still runs as a
+  handful of operations, so there RMSNorm costs more time than LayerNorm despite its
+  smaller arithmetic; ``benchmarks/cpu_kernels.py``).
 """
 from __future__ import annotations
 
@@ -20,72 +18,60 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lib.checks import check_int, check_number
-
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for half-precision inputs, the input's own dtype otherwise (float32,
-    float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension, written
+    out; the variance is the biased one (divide by ``d``), as in ``nn.LayerNorm``.
+    Computed in at least float32, returned in ``x``'s dtype. ``x (..., d) -> (..., d)``."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    mean = h.mean(dim=-1, keepdim=True)  # (..., 1)
+    var = (h - mean).pow(2).mean(dim=-1, keepdim=True)  # (..., 1), biased variance
+    h = (h - mean) * torch.rsqrt(var + eps) * weight  # (..., d): mean 0, variance 1, gain
+    if bias is not None:
+        h = h + bias
+    return h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, written out.
+    Computed in at least float32, returned in ``x``'s dtype. ``x (..., d) -> (..., d)``."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    ms = h.pow(2).mean(dim=-1, keepdim=True)  # (..., 1), mean square
+    return (h * torch.rsqrt(ms + eps) * weight).to(x.dtype)  # (..., d)
 
 
 class LayerNorm(nn.Module):
-    """Layer normalisation over the last dimension:
-    ``(x - mean) / sqrt(var + eps) * weight + bias``.
-
-    The variance is the biased one (divide by ``d``), as in ``nn.LayerNorm``.
-    ``bias=False`` drops the learned shift (some GPT variants do).
-    """
+    """Layer normalisation over the last ``d`` features (:func:`layer_norm`), through
+    ``F.layer_norm``. ``bias=False`` drops the learned shift (some GPT variants do)."""
 
     def __init__(self, d: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
-        self.d = check_int("d", d)
-        self.eps = check_number("eps", eps, low=0, low_open=True)
+        self.d, self.eps = d, eps
         self.weight = nn.Parameter(torch.ones(d))
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
-        self.fused = True  # False: the written-out formula
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dtype == self.weight.dtype:  # the same formula, one kernel
-            return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
-        h = x.to(_compute_dtype(x))
-        mean = h.mean(dim=-1, keepdim=True)  # (..., 1)
-        var = (h - mean).pow(2).mean(dim=-1, keepdim=True)  # (..., 1), biased variance
-        h = (h - mean) * torch.rsqrt(var + self.eps)  # (..., d): mean 0, variance 1
-        h = h * self.weight
-        if self.bias is not None:
-            h = h + self.bias
-        return h.to(x.dtype)
+        return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return (f"{self.d}, eps={self.eps}, bias={self.bias is not None}, "
-                f"fused={self.fused}")
+        return f"{self.d}, eps={self.eps}, bias={self.bias is not None}"
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square normalisation over the last dimension:
-    ``x / sqrt(mean(x**2) + eps) * weight``.
-
-    No mean subtraction and no bias: less arithmetic than LayerNorm and, in practice,
-    just as good.
-    """
+    """Root-mean-square normalisation over the last ``d`` features (:func:`rms_norm`),
+    through ``F.rms_norm``: no mean subtraction and no bias, less arithmetic than
+    LayerNorm and, in practice, just as good."""
 
     def __init__(self, d: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.d = check_int("d", d)
-        self.eps = check_number("eps", eps, low=0, low_open=True)
+        self.d, self.eps = d, eps
         self.weight = nn.Parameter(torch.ones(d))
-        self.fused = hasattr(F, "rms_norm")  # torch >= 2.4; False: written out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dtype == self.weight.dtype:  # the same formula, fused
-            return F.rms_norm(x, (self.d,), self.weight, self.eps)
-        h = x.to(_compute_dtype(x))
-        ms = h.pow(2).mean(dim=-1, keepdim=True)  # (..., 1), mean square
-        h = h * torch.rsqrt(ms + self.eps) * self.weight  # (..., d)
-        return h.to(x.dtype)
+        return F.rms_norm(x, (self.d,), self.weight, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.d}, eps={self.eps}, fused={self.fused}"
+        return f"{self.d}, eps={self.eps}"

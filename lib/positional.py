@@ -24,23 +24,11 @@ from torch import Tensor, nn
 from lib.checks import check_choice, check_int, check_number
 
 
-def _check_even(name: str, value: object) -> int:
-    """``value`` as a positive even int, or a ValueError naming ``name``."""
-    value = check_int(name, value, 2)
-    if value % 2:
-        raise ValueError(f"{name} must be even (dimensions come in sin/cos pairs), "
-                         f"got {value}")
-    return value
-
-
 def sinusoidal_table(n_positions: int, d_model: int, base: float = 10000.0) -> Tensor:
     """The fixed sinusoidal encoding, ``(n_positions, d_model)``, float32, interleaved.
 
     ``PE[t, 2i] = sin(t / base^(2i/d))`` and ``PE[t, 2i+1] = cos(t / base^(2i/d))``.
     """
-    n_positions = check_int("n_positions", n_positions)
-    d_model = _check_even("d_model", d_model)
-    base = check_number("base", base, low=1, low_open=True)
     # Angles in float64 so that large positions keep their digits; the table is float32.
     t = torch.arange(n_positions, dtype=torch.float64)                     # (T,)
     i2 = torch.arange(0, d_model, 2, dtype=torch.float64)                  # 2i
@@ -63,9 +51,7 @@ class SinusoidalPositionalEncoding(nn.Module):
     def __init__(self, context_length: int, d_model: int,
                  base: float = 10000.0) -> None:
         super().__init__()
-        self.context_length = check_int("context_length", context_length)
-        self.d_model = _check_even("d_model", d_model)
-        self.base = check_number("base", base, low=1, low_open=True)
+        self.context_length, self.d_model, self.base = context_length, d_model, base
         table = sinusoidal_table(context_length, d_model, base)
         self.register_buffer("table", table, persistent=False)
 
@@ -84,13 +70,13 @@ class SinusoidalPositionalEncoding(nn.Module):
 class LearnedPositionalEmbedding(nn.Module):
     """One trainable vector per position ``0 … context_length-1`` (GPT-2's ``wpe``).
 
-    There is no vector for any later position: asking for one raises a ValueError.
+    There is no vector for any later position (:meth:`lib.model.GPT.embed` refuses
+    sequences longer than the context).
     """
 
     def __init__(self, context_length: int, d_model: int) -> None:
         super().__init__()
-        self.context_length = check_int("context_length", context_length)
-        self.d_model = check_int("d_model", d_model)
+        self.context_length, self.d_model = context_length, d_model
         self.embedding = nn.Embedding(context_length, d_model)
         nn.init.normal_(self.embedding.weight, mean=0.0, std=0.02)  # GPT-2's init
 
@@ -101,14 +87,6 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, T: int, offset: int = 0) -> Tensor:
         """Embeddings of positions ``offset … offset+T-1``: shape ``(T, d_model)``."""
-        last = offset + T - 1
-        if last >= self.context_length:
-            raise ValueError(
-                f"positions {offset}..{last} requested, but a learned positional "
-                f"embedding "
-                f"only has positions 0..{self.context_length - 1} (context_length="
-                f"{self.context_length}); crop the sequence to at most "
-                f"{self.context_length} tokens")
         positions = torch.arange(offset, offset + T, device=self.weight.device)  # (T,)
         return self.embedding(positions)                                  # (T, C)
 
@@ -284,13 +262,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float = 10000.0,
                  scaling: dict | None = None, context_length: int = 4096) -> None:
         super().__init__()
-        self.head_dim = _check_even("head_dim", head_dim)
-        self.base = check_number("base", base, low=1, low_open=True)
+        self.head_dim, self.base, self.context_length = head_dim, base, context_length
         self.scaling = check_rope_scaling(scaling)
-        self.context_length = check_int("context_length", context_length)
         self.attention_factor = rope_attention_factor(self.scaling)  # 1.0 except YaRN
-        inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)  # float64
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         cos, sin = self._cos_sin64(torch.arange(context_length))
         self.register_buffer("cos", cos.float(), persistent=False)           # (ctx, D)
         self.register_buffer("sin", sin.float(), persistent=False)
@@ -315,12 +289,8 @@ class RotaryEmbedding(nn.Module):
         ``0 … n-1``. Computed in float64, returned as float32.
         """
         if isinstance(positions, int):
-            positions = torch.arange(check_int("positions", positions))
-        positions = torch.as_tensor(positions)
-        if positions.ndim != 1:
-            raise ValueError(f"positions must be 1-D, got shape "
-                             f"{tuple(positions.shape)}")
-        return self._angles64(positions).float().to(self.inv_freq.device)
+            positions = torch.arange(positions)
+        return self._angles64(torch.as_tensor(positions)).float().to(self.cos.device)
 
     def cos_sin(self, T: int, offset: int = 0) -> tuple[Tensor, Tensor]:
         """cos and sin of positions ``offset … offset+T-1``, each ``(T, D)``, in the

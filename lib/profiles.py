@@ -1,14 +1,14 @@
 """The book's two training profiles: what chapter 11 trains on a CPU and on a GPU.
 
-A profile is a model config, a training config and a thread count, chosen together:
+A profile is a model config and a training config, chosen together:
 
 - :func:`cpu_profile`: the tiny shape (4 layers, 4 heads, width 128) with rotary positions and no
   biases, which learn faster per step, a short context (64 characters) so each step is cheap, and a
   high learning rate. The norm stays LayerNorm (without bias): torch's RMSNorm runs as several
   operations on a CPU and costs about 2.5 times LayerNorm's fused kernel there
   (``benchmarks/cpu_kernels.py``). It turns on the CPU speed-ups of :mod:`lib.cpu_kernels`:
-  fused AdamW (``TrainConfig.fused_adamw``) and, through :meth:`Profile.new_model`, the CPU
-  attention path. This is what CI executes and what ``benchmarks/train_vs_nanogpt.py`` races
+  fused AdamW (``TrainConfig.fused_adamw``) and the CPU attention path
+  (``GPTConfig.cpu_kernels``). This is what CI executes and what ``benchmarks/train_vs_nanogpt.py`` races
   against nanoGPT; the settings were picked by a sweep at equal wall time recorded in
   ``docs/benchmarks.md``.
 - :func:`gpu_profile`: a larger model (6 layers, 6 heads, width 384, context 256, dropout 0.2, like
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lib import cpu_kernels
-from lib.checks import check_int
 from lib.config import GPTConfig, TrainConfig
 from lib.model import GPT
 
@@ -32,40 +30,31 @@ __all__ = ["Profile", "cpu_profile", "gpu_profile"]
 
 @dataclass(frozen=True)
 class Profile:
-    """A model config, a training config, the CPU thread count they were tuned for (None =
-    torch's default) and whether the model takes :mod:`lib.cpu_kernels`' attention path."""
+    """A model config and a training config."""
 
     model: GPTConfig
     train: TrainConfig
-    num_threads: int | None = None
-    cpu_kernels: bool = False
 
     def new_model(self) -> GPT:
-        """A freshly initialised :class:`lib.model.GPT` of this profile's shape, with
-        :func:`lib.cpu_kernels.apply` when ``cpu_kernels`` (same weights either way)."""
-        model = GPT(self.model)
-        return cpu_kernels.apply(model) if self.cpu_kernels else model
+        """A freshly initialised :class:`lib.model.GPT` of this profile's config."""
+        return GPT(self.model)
 
 
 def cpu_profile(vocab_size: int = 65, max_steps: int = 2000) -> Profile:
     """The CPU profile: the tiny shape with RoPE, context 64, batch 32, learning rate 1e-2,
     fused AdamW and the CPU attention path."""
-    check_int("vocab_size", vocab_size)
-    check_int("max_steps", max_steps, minimum=50)
     model = GPTConfig.tiny(vocab_size=vocab_size, context_length=64, positions="rope", norm="layernorm",
-                           bias=False, dropout=0.0)
+                           bias=False, dropout=0.0, cpu_kernels=True)
     train = TrainConfig(max_steps=max_steps, batch_size=32, context_length=64, lr=1e-2, min_lr=1e-3,
                         warmup_steps=50, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0,
                         eval_interval=max(max_steps // 10, 1), eval_batches=8, seed=0,
                         fused_adamw=True)
-    return Profile(model=model, train=train, num_threads=None, cpu_kernels=True)
+    return Profile(model=model, train=train)
 
 
 def gpu_profile(vocab_size: int = 65, max_steps: int = 3000) -> Profile:
     """The GPU profile: 6 layers x 6 heads x 384 wide, context 256, dropout 0.2, batch 64, bf16
     autocast, ``torch.compile`` and fused AdamW."""
-    check_int("vocab_size", vocab_size)
-    check_int("max_steps", max_steps, minimum=100)
     model = GPTConfig(vocab_size=vocab_size, context_length=256, d_model=384, n_layers=6, n_heads=6,
                       d_ff=1536, norm="rmsnorm", ffn="gelu", positions="rope", tie_embeddings=True,
                       dropout=0.2, bias=False)
@@ -73,4 +62,4 @@ def gpu_profile(vocab_size: int = 65, max_steps: int = 3000) -> Profile:
                         warmup_steps=100, weight_decay=0.1, betas=(0.9, 0.99), grad_clip=1.0,
                         eval_interval=max(max_steps // 10, 1), eval_batches=20, seed=0, amp=True,
                         compile=True)
-    return Profile(model=model, train=train, num_threads=None)
+    return Profile(model=model, train=train)

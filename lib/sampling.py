@@ -36,7 +36,6 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Divide logits by ``temperature > 0``: below 1 sharpens the distribution, above
     1 flattens it. Temperature 0 is the limit "always the most likely token": use
     :func:`greedy` for it."""
-    check_number("temperature", temperature, low=0, low_open=True)
     return logits / temperature
 
 
@@ -46,7 +45,6 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     Tokens tied with the k-th largest are kept too. ``k`` larger than the vocabulary
     keeps all.
     """
-    check_int("top_k", k)
     k = min(k, logits.size(-1))
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
     return logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -59,7 +57,6 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     Sort tokens by probability; a token stays if the tokens ranked above it hold less
     than ``p`` of the mass. The most likely token always stays; ``p = 1`` keeps all.
     """
-    check_number("top_p", p, 0, 1, low_open=True)
     if p == 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V)
@@ -78,7 +75,6 @@ def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     few tokens, a flat one many. ``p = 0`` keeps everything; the most likely token
     always stays.
     """
-    check_number("min_p", p, 0, 1)
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)),
                           dim=-1)
     top = probs.amax(dim=-1, keepdim=True)  # (..., 1)
@@ -96,11 +92,6 @@ def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor,
     comes from, divides every seen logit, which raises a negative one.
     ``logits`` ``(..., V)``; ``previous_ids`` ``(..., T)``, same leading dimensions.
     """
-    check_number("penalty", penalty, low=0, low_open=True)
-    check_token_ids("previous_ids", previous_ids)
-    if previous_ids.dim() < 1 or previous_ids.shape[:-1] != logits.shape[:-1]:
-        raise ValueError(f"previous_ids must have shape {tuple(logits.shape[:-1])} + "
-                         f"(T,), got {tuple(previous_ids.shape)}")
     seen = torch.zeros_like(logits, dtype=torch.bool)
     seen = seen.scatter(-1, previous_ids.long(), True)  # (..., V)
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -119,12 +110,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0,
     the softmax. ``temperature=0`` means greedy (after the penalty; the filters never
     remove the most likely token). ``generator`` makes the draw reproducible; when it
     lives on another device than the logits (a CPU generator, a GPU model), the draw
-    happens on the generator's device.
+    happens on the generator's device. It runs once per generated token, so it checks
+    nothing: callers check the settings once (:func:`check_sampling_args`, as
+    :meth:`lib.model.GPT.generate` does).
     """
-    check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
     if repetition_penalty is not None and repetition_penalty != 1.0:
-        if previous_ids is None:
-            raise ValueError("repetition_penalty needs previous_ids (tokens so far)")
         logits = apply_repetition_penalty(logits, previous_ids, repetition_penalty)
     if temperature == 0:
         return greedy(logits)
@@ -156,7 +146,6 @@ def check_beam_search_args(ids: torch.Tensor, beam_width: int, max_new_tokens: i
         raise ValueError(f"ids must have shape (1, T), T >= 1, got {tuple(ids.shape)}")
     check_int("beam_width", beam_width)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
-    check_number("length_penalty", length_penalty)
     top = None if vocab_size is None else vocab_size - 1
     check_int("eos_id", eos_id, minimum=0, maximum=top, optional=True)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lib.checks import check_int, check_number, check_token_ids, check_type, eval_mode
+from lib.checks import check_int, check_number, check_token_ids, eval_mode
 
 __all__ = ["next_token_distribution", "speculative_accept", "speculative_decode"]
 
@@ -113,8 +113,6 @@ def _check_decode(target: object, draft: object, ids: object, max_new_tokens: ob
                   k: object, temperature: object) -> None:
     """TypeError/ValueError unless the arguments of :func:`speculative_decode` are
     usable."""
-    check_type("target", target, nn.Module, "torch.nn.Module")
-    check_type("draft", draft, nn.Module, "torch.nn.Module")
     check_token_ids("ids", ids, dim=2, nonempty=True)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_int("k", k)

@@ -16,7 +16,7 @@ import math
 import torch
 
 from lib.attention import repeat_kv
-from lib.checks import check_bool, check_int, check_type
+from lib.checks import check_int
 
 __all__ = ["tiled_attention"]
 
@@ -74,11 +74,8 @@ def _check_inputs(q: object, k: object, v: object, block_q: object, block_k: obj
                   causal: object) -> None:
     """TypeError/ValueError unless the arguments of :func:`tiled_attention` fit
     together."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_type(name, x, torch.Tensor)
     check_int("block_q", block_q)
     check_int("block_k", block_k)
-    check_bool("causal", causal)
     if q.dim() < 3 or q.size(-1) != k.size(-1) or k.shape != v.shape or (
             causal and q.size(-2) > k.size(-2)):
         raise ValueError(f"q must be (..., H, T, D) and k, v (..., H_kv, T_k, D) with "

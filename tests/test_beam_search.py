@@ -129,8 +129,6 @@ def test_long_sequences_are_cropped_to_the_context_and_mode_is_restored():
     (dict(beam_width=True), "beam_width"),
     (dict(max_new_tokens=-1), "max_new_tokens"),
     (dict(max_new_tokens=1.5), "max_new_tokens"),
-    (dict(length_penalty="long"), "length_penalty"),
-    (dict(length_penalty=float("nan")), "length_penalty"),
     (dict(eos_id=-1), "eos_id"),
     (dict(eos_id=3), "eos_id"),
     (dict(ids=torch.tensor([[0, 1], [1, 0]])), "ids"),

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lib import cpu_kernels
 from lib.model import GPT, GPTConfig
 
 VARIANTS = {
     "gpt2-style": dict(),
     "llama-style": dict(positions="rope", n_kv_heads=2, norm="rmsnorm", ffn="swiglu"),
-    "cpu-kernels": dict(positions="rope"),
+    "cpu-kernels": dict(positions="rope", cpu_kernels=True),
 }
 
 
@@ -20,8 +19,7 @@ def _model(name: str) -> GPT:
     torch.manual_seed(0)
     config = GPTConfig.tiny(vocab_size=11, context_length=16, d_model=32, n_layers=2,
                             n_heads=4, d_ff=64, **VARIANTS[name])
-    model = GPT(config).train()
-    return cpu_kernels.apply(model) if name == "cpu-kernels" else model
+    return GPT(config).train()
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

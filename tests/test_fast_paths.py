@@ -1,16 +1,16 @@
 """lib.cpu_kernels, the CPU speed-ups of the training step (benchmarks/cpu_kernels.py measures
 them): the batched-matmul causal attention and the CPU attention forward must compute what the
-written-out path and torch's SDPA compute; the rotary embedding's kept tables must equal the
+written-out formula and torch's SDPA compute; the rotary embedding's kept tables must equal the
 RoPE formula."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lib import cpu_kernels
 from lib.attention import MultiHeadAttention, scaled_dot_product_attention
 from lib.cpu_kernels import BMM_MAX_POSITIONS, CPUMultiHeadAttention, causal_attention_bmm
 from lib.lora import apply_lora
@@ -51,42 +51,42 @@ def test_causal_attention_bmm_dropout_only_with_p():
                               causal_attention_bmm(q, k, v))
 
 
-def _mha(**kwargs) -> MultiHeadAttention:
+def _mha(cls=MultiHeadAttention, **kwargs) -> MultiHeadAttention:
     torch.manual_seed(0)
-    return MultiHeadAttention(32, 4, **kwargs).double()
+    return cls(32, 4, **kwargs).double()
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(n_kv_heads=2, bias=True),
                                     dict(rope=RotaryEmbedding(8), qk_norm=True),
                                     dict(n_kv_heads=1, rope=RotaryEmbedding(8))])
 @pytest.mark.parametrize("T", [7, BMM_MAX_POSITIONS + 3])  # the bmm path, the fused kernel
-def test_cpu_forward_equals_the_written_out_path(kwargs, T):
+def test_cpu_forward_equals_the_torch_kernel_path(kwargs, T):
+    """The same weights (same seed) in MultiHeadAttention (F.scaled_dot_product_attention, held
+    against references in test_attention.py) and CPUMultiHeadAttention: outputs and gradients."""
     mha = _mha(**kwargs)
     x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
-    mha.fused = False
-    explicit = mha(x)
-    g = torch.randn_like(explicit)
-    explicit_grads = torch.autograd.grad(explicit, [x, *mha.parameters()], g)
-    mha.fused = True
-    cpu_kernels.apply(mha)
-    assert type(mha) is CPUMultiHeadAttention
-    assert mha._takes_cpu_path(x, None) == (T <= BMM_MAX_POSITIONS)
+    reference = mha(x)
+    g = torch.randn_like(reference)
+    reference_grads = torch.autograd.grad(reference, [x, *mha.parameters()], g)
+    mha = _mha(CPUMultiHeadAttention, **kwargs)
+    assert mha._takes_cpu_path(x, 0, None) == (T <= BMM_MAX_POSITIONS)
     cpu = mha(x)
     cpu_grads = torch.autograd.grad(cpu, [x, *mha.parameters()], g)
-    torch.testing.assert_close(cpu, explicit)
-    for a, b in zip(cpu_grads, explicit_grads):  # each projection gets its own gradient back
+    torch.testing.assert_close(cpu, reference)
+    for a, b in zip(cpu_grads, reference_grads):  # each projection gets its own gradient back
         torch.testing.assert_close(a, b)
 
 
-def test_apply_keeps_the_weights_and_the_outputs_of_a_model():
+def test_config_cpu_kernels_keeps_the_weights_and_the_outputs_of_a_model():
+    config = GPTConfig.tiny(11, positions="rope", context_length=32)
     torch.manual_seed(0)
-    model = GPT(GPTConfig.tiny(11, positions="rope", context_length=32)).double()
-    ids = torch.randint(0, 11, (2, 32))
-    before, state = model(ids)[0], {k: v.clone() for k, v in model.state_dict().items()}
-    assert cpu_kernels.apply(model) is model
+    plain = GPT(config).double()
+    torch.manual_seed(0)
+    model = GPT(replace(config, cpu_kernels=True)).double()
     assert all(type(b.attn) is CPUMultiHeadAttention for b in model.blocks)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
-    torch.testing.assert_close(model(ids)[0], before)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
+    ids = torch.randint(0, 11, (2, 32))
+    torch.testing.assert_close(model(ids)[0], plain(ids)[0])
     cached = model.generate(ids[:, :5], 6, temperature=0.0)  # the cache takes the parent path
     assert torch.equal(cached, model.generate(ids[:, :5], 6, temperature=0.0, use_cache=False))
 
@@ -94,21 +94,20 @@ def test_apply_keeps_the_weights_and_the_outputs_of_a_model():
 def test_hooks_and_lora_keep_the_separate_projections():
     """A forward hook on a projection, or a LoRA-wrapped projection, must still see its call:
     the stacked matmul is used only for three plain, hook-free nn.Linear layers."""
-    mha = cpu_kernels.apply(_mha())
+    mha = _mha(CPUMultiHeadAttention)
     x = torch.randn(1, 5, 32, dtype=torch.float64)
-    assert mha._takes_cpu_path(x, None)
+    assert mha._takes_cpu_path(x, 0, None)
     seen = []
     handle = mha.k_proj.register_forward_hook(lambda module, inputs, out: seen.append(out))
-    assert not mha._takes_cpu_path(x, None)
+    assert not mha._takes_cpu_path(x, 0, None)
     mha(x)
     assert len(seen) == 1
     handle.remove()
-    assert mha._takes_cpu_path(x, None)
+    assert mha._takes_cpu_path(x, 0, None) and not mha._takes_cpu_path(x, 3, None)
     model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2,
-                          d_ff=32))
-    cpu_kernels.apply(model)
+                          d_ff=32, cpu_kernels=True))
     apply_lora(model, r=2, targets=("q_proj", "v_proj"))
-    assert not model.blocks[0].attn._takes_cpu_path(torch.randn(1, 4, 16), None)
+    assert not model.blocks[0].attn._takes_cpu_path(torch.randn(1, 4, 16), 0, None)
 
 
 def test_rope_equals_the_rotation_formula_at_any_offset():

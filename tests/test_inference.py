@@ -9,7 +9,6 @@ from lib.attention import KVCache, attention_mask
 from lib.config import GPTConfig
 from lib.kv_quant import QuantizedKVCache, dequantize_int8, quantize_int8
 from lib.model import GPT
-from lib.sliding_window import set_window
 from lib.speculative import speculative_accept, speculative_decode
 from lib.tiled_attention import tiled_attention
 
@@ -19,34 +18,12 @@ def test_sinks_keep_the_first_positions_visible():
                              [1, 0, 1, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(mask, expected)
     assert torch.equal(attention_mask(5, 5, window=2), attention_mask(5, 5, window=2, sinks=0))
-    with pytest.raises(ValueError, match="sinks"):
-        attention_mask(3, 3, window=2, sinks=-1)
 
 
 def small_model(seed=0, **kw):
     torch.manual_seed(seed)
     config = GPTConfig.tiny(vocab_size=11, context_length=48, d_model=32, n_layers=2, n_heads=4, d_ff=64, **kw)
     return GPT(config).eval()
-
-
-def test_set_window_equals_a_model_built_with_that_window_and_restores():
-    model = small_model(positions="rope")
-    ids = torch.randint(0, 11, (2, 40))
-    full = model(ids)[0]
-    assert set_window(model, 8) == 2
-    windowed = model(ids)[0]
-    built = GPT(dataclasses.replace(model.config, window=8)).eval()
-    built.load_state_dict(model.state_dict())
-    torch.testing.assert_close(windowed, built(ids)[0])
-    assert not torch.allclose(windowed, full)
-    set_window(model, 8, sinks=2)   # the first two positions visible again: a different output
-    assert not torch.allclose(model(ids)[0][:, 10:], windowed[:, 10:])
-    set_window(model, None)
-    torch.testing.assert_close(model(ids)[0], full)
-    with pytest.raises(ValueError, match="sinks"):
-        set_window(model, None, sinks=1)
-    with pytest.raises(TypeError, match="model"):
-        set_window("model", 4)
 
 
 @pytest.mark.parametrize("T, T_k, bq, bk, H_kv", [(37, 37, 8, 16, 4), (5, 40, 4, 7, 2), (64, 64, 64, 64, 1)])
@@ -71,8 +48,6 @@ def test_tiled_attention_bad_inputs():
         tiled_attention(q, q[..., :4], q)
     with pytest.raises(ValueError, match="causal"):
         tiled_attention(q, q[..., :2, :], q[..., :2, :])
-    with pytest.raises(TypeError, match="q"):
-        tiled_attention([1], q, q)
 
 
 def test_quantize_round_trip_error_bound():
@@ -82,8 +57,6 @@ def test_quantize_round_trip_error_bound():
     assert ((dequantize_int8(q, scale) - x).abs() <= scale / 2 + 1e-6).all()
     q0, s0 = quantize_int8(torch.zeros(2, 3))
     assert torch.equal(dequantize_int8(q0, s0), torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="x must"):
-        quantize_int8(torch.ones(3, dtype=torch.long))
 
 
 def test_quantized_cache_is_a_drop_in_and_smaller():

@@ -26,6 +26,14 @@ def test_table_matches_the_formula_entry_by_entry():
             assert table[t, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_table_equals_distilberts_sinusoidal_embeddings():
+    """transformers' DistilBERT fills its position table with the same interleaved formula."""
+    modeling = pytest.importorskip("transformers.models.distilbert.modeling_distilbert")
+    theirs = torch.empty(64, 16)
+    modeling.create_sinusoidal_embeddings(64, 16, theirs)
+    torch.testing.assert_close(sinusoidal_table(64, 16), theirs, rtol=0, atol=1e-6)
+
+
 def test_table_other_base_and_first_row():
     table = sinusoidal_table(8, 4, base=100.0)
     assert torch.equal(table[0], torch.tensor([0.0, 1.0, 0.0, 1.0]))
@@ -44,26 +52,6 @@ def test_shift_by_k_is_a_fixed_linear_map():
     torch.testing.assert_close(table[:n] @ M.T, table[k:], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(n_positions=0, d_model=4), "n_positions"),
-    (dict(n_positions=4, d_model=5), "d_model"),
-    (dict(n_positions=4, d_model=0), "d_model"),
-    (dict(n_positions=4.0, d_model=4), "n_positions"),
-    (dict(n_positions=True, d_model=4), "n_positions"),
-    (dict(n_positions=4, d_model=4, base=1.0), "base"),
-    (dict(n_positions=4, d_model=4, base=float("inf")), "base"),
-    (dict(n_positions=4, d_model=4, base="10000"), "base"),
-])
-def test_table_rejects_bad_arguments(kwargs, name):
-    with pytest.raises(ValueError, match=name):
-        sinusoidal_table(**kwargs)
-
-
-def test_odd_d_model_error_says_even():
-    with pytest.raises(ValueError, match="even"):
-        sinusoidal_table(10, 7)
-
-
 def test_sinusoidal_module_rows_offset_and_beyond_table():
     pe = SinusoidalPositionalEncoding(16, 8)
     full = sinusoidal_table(40, 8)
@@ -72,13 +60,6 @@ def test_sinusoidal_module_rows_offset_and_beyond_table():
     torch.testing.assert_close(pe(3, offset=5), full[5:8])
     torch.testing.assert_close(pe(10, offset=30), full[30:40])  # a formula: no hard limit
     assert not list(pe.parameters()) and "table" not in pe.state_dict()  # a buffer, not trained
-
-
-def test_sinusoidal_module_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="d_model"):
-        SinusoidalPositionalEncoding(8, 3)
-    with pytest.raises(ValueError, match="context_length"):
-        SinusoidalPositionalEncoding(0, 4)
 
 
 # ---------------------------------------------------------------- learned
@@ -93,24 +74,6 @@ def test_learned_embedding_rows_and_gradients():
     rows_with_grad = emb.weight.grad.abs().sum(dim=1).nonzero().flatten().tolist()
     assert rows_with_grad == [2, 3, 4]
     assert 0.01 < emb.weight.std().item() < 0.03  # GPT-2 style init
-
-
-@pytest.mark.parametrize("T, offset", [(11, 0), (1, 10), (5, 7)])
-def test_learned_embedding_refuses_positions_past_its_table(T, offset):
-    emb = LearnedPositionalEmbedding(10, 4)
-    last = offset + T - 1
-    with pytest.raises(ValueError, match=rf"positions {offset}\.\.{last}.*0\.\.9.*context_length=10"):
-        emb(T, offset=offset)
-
-
-def test_learned_embedding_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="context_length"):
-        LearnedPositionalEmbedding(0, 4)
-    with pytest.raises(ValueError, match="d_model"):
-        LearnedPositionalEmbedding(4, -1)
-    emb = LearnedPositionalEmbedding(4, 2)
-    with pytest.raises(ValueError, match="positions"):
-        emb(5)
 
 
 # ---------------------------------------------------------------- rotary
@@ -197,20 +160,6 @@ def test_rope_angles_schedule():
     torch.testing.assert_close(cos, torch.cat((angles, angles), dim=-1).cos())
 
 
-def test_rope_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="even"):
-        RotaryEmbedding(7)
-    with pytest.raises(ValueError, match="head_dim"):
-        RotaryEmbedding(0)
-    with pytest.raises(ValueError, match="base"):
-        RotaryEmbedding(8, base=0.5)
-    rope = RotaryEmbedding(8)
-    with pytest.raises(ValueError, match="positions"):
-        rope.angles(torch.zeros(2, 2))
-    with pytest.raises(TypeError):
-        rope.angles("abc")
-
-
 def test_rope_table_past_its_context_is_computed_the_same_way():
     short, long = RotaryEmbedding(16, context_length=8), RotaryEmbedding(16, context_length=64)
     for T, offset in ((8, 0), (5, 6), (10, 40)):
@@ -254,7 +203,8 @@ def test_scaling_rules_equal_transformers(D, base, L, s, rope_type):
                }[rope_type]
     theirs, their_factor = hf_inv_freq(D, base, scaling, L)
     rope = RotaryEmbedding(D, base, scaling, context_length=16)
-    torch.testing.assert_close(rope.inv_freq, theirs, rtol=1e-6, atol=0)   # float32 there
+    ours = rope.angles(torch.tensor([1]))[0]  # position 1: the frequencies, as the module uses them
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)   # float32 there
     assert math.isclose(rope.attention_factor, their_factor, rel_tol=1e-12)
     cos, sin = rope.cos_sin(16)
     torch.testing.assert_close(cos.pow(2) + sin.pow(2), torch.full_like(cos, their_factor ** 2))

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lib.sampling import (apply_repetition_penalty, apply_temperature, greedy, min_p_filter, sample_next,
+from lib.sampling import (apply_repetition_penalty, apply_temperature, check_sampling_args, greedy,
+                          min_p_filter, sample_next,
                           top_k_filter, top_p_filter)
 
 
@@ -102,23 +103,11 @@ def test_temperature_zero_and_top_k_one_are_greedy():
     (dict(min_p=float("nan")), "min_p"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(repetition_penalty=True), "repetition_penalty"),
-    (dict(repetition_penalty=1.2), "repetition_penalty needs previous_ids"),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, match):
+    """check_sampling_args, which generate calls once (sample_next runs per token, unchecked)."""
     with pytest.raises(ValueError, match=match):
-        sample_next(random_logits(2, 5), **kwargs)
-
-
-def test_filter_functions_validate_too():
-    logits = random_logits(2, 5)
-    with pytest.raises(ValueError, match="top_k"):
-        top_k_filter(logits, 0)
-    with pytest.raises(ValueError, match="top_p"):
-        top_p_filter(logits, 2.0)
-    with pytest.raises(ValueError, match="temperature"):
-        apply_temperature(logits, -1.0)
-    with pytest.raises(ValueError, match="temperature must be a number > 0"):
-        apply_temperature(logits, 0)  # temperature 0 is greedy(logits)
+        check_sampling_args(**kwargs)
 
 
 def test_min_p_keeps_tokens_at_least_p_times_the_top_probability():
@@ -150,18 +139,6 @@ def test_repetition_penalty_lowers_every_seen_token_whatever_its_sign():
     seen[1, 6] = True
     torch.testing.assert_close(out[~seen], batch[~seen])
     assert (out[seen] < batch[seen]).all()  # every seen token's logit goes down
-
-
-def test_repetition_penalty_bad_inputs():
-    logits = random_logits(2, 5)
-    with pytest.raises(ValueError, match="penalty must be a number > 0"):
-        apply_repetition_penalty(logits, torch.zeros(2, 3, dtype=torch.long), 0.0)
-    with pytest.raises(TypeError, match="previous_ids must be an integer tensor"):
-        apply_repetition_penalty(logits, torch.zeros(2, 3), 1.2)
-    with pytest.raises(ValueError, match=r"previous_ids must have shape \(2,\) \+ \(T,\)"):
-        apply_repetition_penalty(logits, torch.zeros(3, 3, dtype=torch.long), 1.2)
-    with pytest.raises(ValueError, match="min_p"):
-        min_p_filter(logits, 2.0)
 
 
 def test_sample_next_applies_penalty_before_greedy_and_filters():
