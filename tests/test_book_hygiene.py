@@ -391,7 +391,8 @@ LABELLED_BOOL = re.compile(r"""(?<!['"])(?:[:?]|==|\bis)\s*(True|False)\s*(?:[;,
 
 def verdict_lines(path: Path) -> list[tuple[int, str]]:
     """(cell index, line) for every stored output line of `path` that prints a boolean verdict:
-    stdout and plain-text results, in every code cell (hidden ones too)."""
+    stdout and plain-text results, in every code cell (hidden ones too), and Markdown tables
+    with a cell that is just True or False."""
     found = []
     for i, cell in enumerate(_cells(path)):
         for out in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
@@ -399,6 +400,10 @@ def verdict_lines(path: Path) -> list[tuple[int, str]]:
                 continue
             for line in _shown_output_text(out).splitlines():
                 if BARE_BOOL.match(line) or LABELLED_BOOL.search(line):
+                    found.append((i, line))
+            table = out.get("data", {}).get("text/markdown", "")
+            for line in ("".join(table) if isinstance(table, list) else table).splitlines():
+                if line.startswith("|") and any(BARE_BOOL.match(c) for c in line.split("|")[1:-1]):
                     found.append((i, line))
     return found
 
