@@ -94,7 +94,7 @@ def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
     the ``nn.Linear`` layers (the hidden matrices) take Muon steps, except a module
     named ``lm_head`` and any matrix shared with an ``nn.Embedding``; embeddings, the
     head, norm gains and biases take AdamW steps as above. Both use ``lr`` and
-    ``weight_decay``. (``betas`` and ``eps`` are checked by the optimizer.)
+    ``weight_decay``. (torch's AdamW checks ``betas`` and ``eps``.)
     """
     check_number("lr", lr, low=0, low_open=True)
     check_number("weight_decay", weight_decay, low=0)
