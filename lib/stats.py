@@ -42,8 +42,10 @@ def t_test_p(t: float, df: int) -> float:
         total += term
         term *= c2 * ((2 * k) / (2 * k + 1) if df % 2 else (2 * k - 1) / (2 * k))
     if df % 2:
-        return 1 - 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
-    return 1 - math.sin(theta) * total
+        inside = 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    else:
+        inside = math.sin(theta) * total          # P(|T| < |t|)
+    return max(0.0, 1 - inside)
 
 
 def verdict(diffs: Iterable[float], words: tuple[str, str, str] = WORDS) -> Verdict:
@@ -53,10 +55,13 @@ def verdict(diffs: Iterable[float], words: tuple[str, str, str] = WORDS) -> Verd
         raise ValueError(f"diffs must be at least 3 finite numbers (one per seed), got {d}")
     n, mean = len(d), sum(d) / len(d)
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    t = mean / (sd / math.sqrt(n)) if sd > 0 else math.copysign(math.inf, mean) if mean else 0.0
-    p = t_test_p(t, n - 1) if math.isfinite(t) else 0.0
-    k = min(sum(x > 0 for x in d), sum(x < 0 for x in d))
-    m = sum(x != 0 for x in d)
+    if sd > 0:
+        t = mean / (sd / math.sqrt(n))
+        p = t_test_p(t, n - 1)
+    else:                                     # every seed gave the same difference
+        t, p = (math.copysign(math.inf, mean), 0.0) if mean else (0.0, 1.0)
+    # sign test: chance of a split at least this uneven if each sign were a fair coin flip
+    k, m = min(sum(x > 0 for x in d), sum(x < 0 for x in d)), sum(x != 0 for x in d)
     sign_p = min(1.0, sum(math.comb(m, i) for i in range(k + 1)) / 2 ** (m - 1)) if m else 1.0
     agree = all(x < 0 for x in d) or all(x > 0 for x in d)
     sign = (1 if mean > 0 else -1) if agree and p < ALPHA else 0
