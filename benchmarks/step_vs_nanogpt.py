@@ -17,8 +17,8 @@ TinyShakespeare ids:
 * ``book-tiny``: ``lib.training.train`` on ``GPTConfig.tiny`` (learned positions, LayerNorm, GELU)
   as the library builds it, without the CPU speed-ups (foreach AdamW, torch's fused attention).
 * ``book-cpu-profile``: ``lib.training.train`` on the architecture and training settings of
-  ``lib.profiles.cpu_profile``, with what that profile turns on: ``lib.cpu_kernels`` applied to
-  the model (``Profile.new_model``) and fused AdamW (``TrainConfig.fused_adamw``).
+  ``lib.profiles.cpu_profile``, with what that profile turns on: ``lib.cpu_kernels``' attention
+  (``GPTConfig.cpu_kernels``) and fused AdamW (``TrainConfig.fused_adamw``).
 
 The book's steps are timed through ``train`` itself: each round is one call of ``--steps`` steps,
 which also builds its optimizer and evaluates one batch at its start and end (a handicap, included,
@@ -41,7 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from lib import cpu_kernels, data  # noqa: E402
+from lib import data  # noqa: E402
 from lib.model import GPT, GPTConfig  # noqa: E402
 from lib.profiles import cpu_profile  # noqa: E402
 from lib.tokenizers import CharTokenizer  # noqa: E402
@@ -87,13 +87,10 @@ def nanogpt_stepper(module, train_ids: torch.Tensor, vocab_size: int):
     return steps
 
 
-def book_stepper(model_config: GPTConfig, train_config: TrainConfig, train_ids, val_ids,
-                 use_cpu_kernels: bool = False):
+def book_stepper(model_config: GPTConfig, train_config: TrainConfig, train_ids, val_ids):
     """A function running n steps of ``lib.training.train`` on one model (one call per round)."""
     torch.manual_seed(0)
     model = GPT(model_config)
-    if use_cpu_kernels:
-        cpu_kernels.apply(model)
 
     def steps(n: int) -> None:
         config = dataclasses.replace(train_config, max_steps=n, warmup_steps=0, eval_interval=n,
@@ -127,7 +124,7 @@ def main() -> None:
         "book-cpu-profile": book_stepper(
             dataclasses.replace(profile.model, context_length=CONTEXT, **SHAPE),
             dataclasses.replace(profile.train, batch_size=BATCH, context_length=CONTEXT),
-            train_ids, val_ids, use_cpu_kernels=profile.cpu_kernels),
+            train_ids, val_ids),
     }
     results = {name: {"wall": [], "cpu": []} for name in contenders}
     for steps in contenders.values():  # warm-up

@@ -1,10 +1,11 @@
 """Training throughput of the tiny character model: fused kernels vs the explicit formulas.
 
 Measures tokens per second for whole optimisation steps (forward, backward, gradient clipping and
-an AdamW step) of ``GPTConfig.tiny`` with ``F.scaled_dot_product_attention`` (the default, "fused")
-and with the attention written out as matmul + mask + softmax + matmul ("explicit"). ``--switch all``
-compares ``GPT.set_fused(True)`` with ``set_fused(False)`` instead: every fused path at once (attention,
-norms, GELU and the loss through ``F.cross_entropy``) against the written-out math. The two paths run on the same weights and batch, in
+an AdamW step) of ``GPTConfig.tiny`` as lib runs it (torch's kernels: ``F.scaled_dot_product_attention``,
+"fused") and with the attention replaced, in this script, by lib's written-out formula
+``lib.attention.scaled_dot_product_attention`` (matmul + mask + softmax + matmul, "explicit").
+``--switch all`` also replaces the norms, GELU and the loss by ``lib.norms.layer_norm``,
+``lib.feedforward.gelu`` and ``lib.loss.cross_entropy``. The two paths run on the same weights and batch, in
 alternating rounds, so load from other jobs on the machine affects both alike; the script reports
 the median of each and their ratio, by wall clock and by process CPU time.
 
@@ -18,12 +19,17 @@ import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lib.attention import scaled_dot_product_attention  # noqa: E402
+from lib.feedforward import GELU, gelu  # noqa: E402
+from lib.loss import cross_entropy  # noqa: E402
 from lib.model import GPT, GPTConfig  # noqa: E402
+from lib.norms import LayerNorm, layer_norm  # noqa: E402
 from lib.training import configure_optimizer  # noqa: E402
 
 
@@ -37,13 +43,43 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _explicit_attention(self, x: torch.Tensor, offset: int = 0, kv_cache=None) -> torch.Tensor:
+    B, T, C = x.shape
+    q, k, v = self.project(x, offset, kv_cache)
+    mask, causal = self.mask(T, k.size(2), x.device)
+    y, _ = scaled_dot_product_attention(q, k, v, mask=mask, causal=causal)
+    return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+def _explicit_norm(self, x: torch.Tensor) -> torch.Tensor:
+    return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def _explicit_gelu(self, x: torch.Tensor) -> torch.Tensor:
+    return gelu(x, self.approximate)
+
+
 def select_path(model: GPT, fast: bool, switch: str) -> None:
-    """Fused (``fast``) or explicit: attention alone, or every fused path through ``GPT.set_fused``."""
-    if switch == "all":
-        model.set_fused(fast)
-    else:
-        for block in model.blocks:
-            block.attn.fused = fast
+    """Torch's kernels (``fast``: lib's own forwards) or the written-out formulas bound in their
+    place on this model's instances: attention alone, or (``switch='all'``) norms and GELU too."""
+    attention_layers = [block.attn for block in model.blocks]
+    for module in model.modules():
+        module.__dict__.pop("forward", None)  # back to the class's forward
+        if fast:
+            continue
+        if any(module is layer for layer in attention_layers):
+            module.forward = types.MethodType(_explicit_attention, module)
+        elif switch == "all" and isinstance(module, LayerNorm):
+            module.forward = types.MethodType(_explicit_norm, module)
+        elif switch == "all" and isinstance(module, GELU):
+            module.forward = types.MethodType(_explicit_gelu, module)
+
+
+def loss_of(model: GPT, x: torch.Tensor, y: torch.Tensor, fast: bool, switch: str) -> torch.Tensor:
+    """The training loss: GPT.forward's F.cross_entropy, or lib.loss.cross_entropy written out."""
+    if fast or switch != "all":
+        return model(x, y)[1]
+    return cross_entropy(model(x)[0], y)
 
 
 def main() -> None:
@@ -74,13 +110,13 @@ def main() -> None:
     for fast in (True, False):
         select_path(model, fast, args.switch)
         with torch.no_grad():
-            losses[fast] = model(x, y)[1].item()
+            losses[fast] = loss_of(model, x, y, fast, args.switch).item()
     print(f"loss fused {losses[True]:.6f}, explicit {losses[False]:.6f}, "
           f"|diff| {abs(losses[True] - losses[False]):.2e}")
 
-    def steps(n: int) -> None:
+    def steps(n: int, fast: bool) -> None:
         for _ in range(n):
-            _, loss = model(x, y)
+            loss = loss_of(model, x, y, fast, args.switch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -89,12 +125,12 @@ def main() -> None:
     results: dict[bool, dict[str, list[float]]] = {True: {"wall": [], "cpu": []}, False: {"wall": [], "cpu": []}}
     for fast in (True, False):  # warm-up: first-call allocations and kernel selection
         select_path(model, fast, args.switch)
-        steps(2)
+        steps(2, fast)
     for _ in range(args.rounds):
         for fast in (True, False):
             select_path(model, fast, args.switch)
             wall, cpu = time.perf_counter(), time.process_time()
-            steps(args.steps)
+            steps(args.steps, fast)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             results[fast]["wall"].append(B * T * args.steps / wall)
             results[fast]["cpu"].append(B * T * args.steps / cpu)

@@ -112,7 +112,7 @@ def train_book(seconds: float, seed: int, train_ids, val_ids, vocab_size: int) -
     calibration = dataclasses.replace(profile.train, max_steps=30, warmup_steps=5, eval_interval=30,
                                       eval_batches=1)
     torch.manual_seed(seed)
-    model = profile.new_model()  # with lib.cpu_kernels, as the profile asks
+    model = profile.new_model()  # with lib.cpu_kernels (the profile's config asks)
     train(model, train_ids, None, dataclasses.replace(calibration, max_steps=10), progress=False)  # warm
     start = time.perf_counter()  # (a first call in a process runs slower: allocations, thread start-up)
     train(model, train_ids, None, calibration, progress=False)
@@ -121,7 +121,7 @@ def train_book(seconds: float, seed: int, train_ids, val_ids, vocab_size: int) -
     config = dataclasses.replace(profile.train, max_steps=steps, eval_interval=steps, eval_batches=4,
                                  seed=seed)
     torch.manual_seed(seed)
-    model = profile.new_model()  # with lib.cpu_kernels, as the profile asks
+    model = profile.new_model()  # with lib.cpu_kernels (the profile's config asks)
     start = time.perf_counter()
     train(model, train_ids, None, config, progress=False)
     return score(model, val_ids), time.perf_counter() - start, steps
