@@ -4,11 +4,9 @@ These tests train the real tiny preset for four steps on a few hundred character
 one test on TinyShakespeare itself), which is enough to check the caching logic in seconds.
 """
 import dataclasses
+import multiprocessing
 import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +16,6 @@ from lib.tiny_model import TINY_TRAIN_CONFIG, cache_key, tiny_shakespeare_model,
 from lib.model import GPTConfig
 from lib.training import TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 SHORT = TrainConfig(max_steps=4, batch_size=2, context_length=32, lr=1e-3, min_lr=1e-4, warmup_steps=1,
                     eval_interval=2, eval_batches=1)
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 8
@@ -118,17 +115,25 @@ def test_an_unreadable_cache_file_is_rebuilt(empty_cache):
     assert not reloaded.trained and same_weights(reloaded.model, first.model)
 
 
+def _fill_the_cache(start) -> None:
+    """In a forked process: wait for the start signal, then train and cache the short run."""
+    torch.set_num_threads(1)
+    start.wait()
+    short_run()
+
+
 def test_two_processes_filling_the_cache_at_once_both_succeed(empty_cache):
-    script = ("import sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(1)\n"
-              "from lib.tiny_model import tiny_shakespeare_run\nfrom lib.training import TrainConfig\n"
-              f"run = tiny_shakespeare_run(train_config=TrainConfig(**{SHORT.to_dict()!r}), "
-              f"text={TEXT!r})\n"
-              "print(run.trained)\n")
-    env = {**os.environ}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(ROOT)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    """Two processes forked from this one (no second import of torch) start training together and
+    both write the same cache file; each must finish, and the file they leave must load."""
+    context = multiprocessing.get_context("fork")
+    start = context.Event()
+    procs = [context.Process(target=_fill_the_cache, args=(start,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the file they left must load cleanly
         run = short_run()
