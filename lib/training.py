@@ -77,7 +77,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
 def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
                         betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                         optimizer: str = "adamw",
-                        fused: bool | None = None) -> torch.optim.Optimizer:
+                        fused_adamw: bool | None = None) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices (weights, embeddings) only.
 
     Parameters with two or more dimensions decay; vectors (biases, norm gains) do not:
@@ -85,7 +85,7 @@ def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
     Frozen parameters are left out. A parameter shared by two modules (tied embeddings)
     appears once.
 
-    ``fused``: torch's one-kernel update (the same formula, rounded differently in the
+    ``fused_adamw``: torch's one-kernel update (the same formula, rounded differently in the
     last bits). None uses it when every parameter is on CUDA; True everywhere (on a CPU
     from torch 2.4; the CPU profile asks for it, see ``TrainConfig.fused_adamw``); False
     never (torch's default kernel).
@@ -107,10 +107,10 @@ def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
     matrices = [p for p in params if p.dim() >= 2]
     groups = [{"params": matrices, "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if fused is None:
-        fused = all(p.device.type == "cuda" for p in params)
+    if fused_adamw is None:
+        fused_adamw = all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps,
-                             fused=fused or None)
+                             fused=fused_adamw or None)
 
 
 def _muon_adamw(model: nn.Module, params: list[nn.Parameter], lr: float,
@@ -264,7 +264,8 @@ def _setup(model: nn.Module, config: TrainConfig, rank: int, world_size: int
     device = distributed.local_device(device)
     model.to(device).train()
     optimizer = configure_optimizer(model, config.lr, config.weight_decay, config.betas,
-                                    optimizer=config.optimizer, fused=config.fused_adamw)
+                                    optimizer=config.optimizer,
+                                    fused_adamw=config.fused_adamw)
     forward = distributed.wrap(model, device) if world_size > 1 else model
     if config.compile and device.type == "cuda":
         forward = torch.compile(forward)

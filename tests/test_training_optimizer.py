@@ -58,7 +58,7 @@ def references():
 def test_each_fused_setting_computes_what_that_torch_kernel_computes(references, fused, expected):
     """On a CPU: True = torch's fused AdamW, False and None (= fused on CUDA only) = its default."""
     model = copy.deepcopy(references["start"])
-    ours = _run(model, configure_optimizer(model, lr=1e-2, weight_decay=0.1, fused=fused))
+    ours = _run(model, configure_optimizer(model, lr=1e-2, weight_decay=0.1, fused_adamw=fused))
     assert all(torch.equal(a, b) for a, b in zip(ours, references[expected]))
 
 
@@ -90,7 +90,7 @@ def test_fused_steps_equal_the_single_tensor_loop():
     torch.manual_seed(0)
     ours = _tiny().double()
     loop, start = copy.deepcopy(ours), copy.deepcopy(ours)
-    opt_ours = configure_optimizer(ours, lr=1e-2, weight_decay=0.1, fused=True)
+    opt_ours = configure_optimizer(ours, lr=1e-2, weight_decay=0.1, fused_adamw=True)
     opt_loop = torch.optim.AdamW(_groups(loop), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     final_ours, final_loop = _run(ours, opt_ours, 6), _run(loop, opt_loop, 6)
     for a, b in zip(final_ours, final_loop):
