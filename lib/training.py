@@ -85,10 +85,10 @@ def configure_optimizer(model: nn.Module, lr: float, weight_decay: float,
     Frozen parameters are left out. A parameter shared by two modules (tied embeddings)
     appears once.
 
-    ``fused_adamw``: torch's one-kernel update (the same formula, rounded differently in the
-    last bits). None uses it when every parameter is on CUDA; True everywhere (on a CPU
-    from torch 2.4; the CPU profile asks for it, see ``TrainConfig.fused_adamw``); False
-    never (torch's default kernel).
+    ``fused_adamw``: torch's one-kernel update (the same formula, rounded differently in
+    the last bits). None uses it when every parameter is on CUDA; True everywhere (on a
+    CPU from torch 2.4; the CPU profile asks for it, see ``TrainConfig.fused_adamw``);
+    False never (torch's default kernel).
 
     ``optimizer='muon'`` returns a :class:`lib.optim.MuonAdamW` instead: the weights of
     the ``nn.Linear`` layers (the hidden matrices) take Muon steps, except a module
