@@ -345,6 +345,9 @@ def test_where_reading_each_loss_would_wait_for_a_gpu_the_first_bad_step_is_name
     between evaluations; the error names the first bad step, and nothing is saved after it."""
     from lib import training
 
+    assert training._checks_each_step(torch.device("cpu"), world_size=1)
+    assert not training._checks_each_step(torch.device("cuda"), world_size=1)
+    assert not training._checks_each_step(torch.device("cpu"), world_size=2)
     monkeypatch.setattr(training, "_checks_each_step", lambda device, world_size: False)
     data, config = repeated(), quick_config(max_steps=30, eval_interval=10)
     path = tmp_path / "run.safetensors"
