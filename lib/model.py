@@ -5,8 +5,8 @@
 
 The architecture comes from a :class:`lib.config.GPTConfig` (importable from here too,
 as ``lib.model.GPTConfig``). :class:`GPT` computes logits and the loss, generates text
-(with or without a KV cache), returns attention maps for plots, and counts its
-parameters by component.
+(with or without a KV cache) and counts its parameters by component;
+:func:`attention_maps` returns every layer's attention weights, for plots.
 """
 from __future__ import annotations
 
