@@ -4,10 +4,10 @@ The tensors (weights, optimizer moments, random-generator states) go in the file
 ``model/…``, ``optim/…`` and ``rng/…``; the model and training configs, the step, the history and
 any extra JSON data go in its header. The model config is every field of the ``GPTConfig`` that
 built the model, so ``GPT(GPTConfig.from_dict(checkpoint.model_config))`` builds what ran; loading
-fills the model with :func:`lib.pretrained.fill`, the loader Hugging Face and GGUF files use. Files are written to a temporary name and renamed into place,
-so a crash never leaves half a checkpoint. :func:`resume_training` restores everything the next training
-step depends on, so on CPU a resumed run produces the same losses, bit for bit, as one that was
-never interrupted.
+fills the model with :func:`lib.pretrained.fill`, the loader Hugging Face and GGUF files use.
+Files are written to a temporary name and renamed into place, so a crash never leaves half a
+checkpoint. :func:`resume_training` restores everything the next training step depends on, so on
+CPU a resumed run produces the same losses, bit for bit, as one that was never interrupted.
 """
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ import torch
 
 from lib import smollm
 from lib.gguf import GGUFError
+from lib.config import GPTConfig
+from lib.model import GPT
+from lib.pretrained import fill, rename
 from lib.smollm import config_from_gguf, from_gguf, smollm2_gguf, unpermute_rope_rows
 
 TEXTS = [
@@ -135,23 +138,38 @@ def test_every_weight_equals_transformers(ours, hf_model):
         assert torch.equal(tensor, hf[key]), name
 
 
-def test_from_gguf_reads_the_file_once_and_fills_by_gguf_names(
-        path, ours, smollm2_file, monkeypatch):
-    """from_gguf = one load_gguf + model_from_gguf + tokenizer_from_gguf (here on the
-    session's parsed file); fill names a tensor with no place and a head that differs
-    from the tied embedding by their GGUF names."""
+def test_from_gguf_reads_the_file_once(path, ours, smollm2_file, monkeypatch):
+    """from_gguf = one load_gguf, then model_from_gguf and tokenizer_from_gguf on what it
+    read (the session's parsed file stands in for the read; no model is built)."""
     gf, weights = smollm2_file
-    calls = []
-    monkeypatch.setattr(smollm, "load_gguf", lambda p: calls.append(p) or smollm2_file)
-    model, tokenizer = from_gguf(path)
-    assert calls == [path] and tokenizer.encode("Hi there") == ours[1].encode("Hi there")
-    for (name, p), q in zip(model.named_parameters(), ours[0].parameters()):
+    reads, builds = [], []
+    monkeypatch.setattr(smollm, "load_gguf", lambda p: reads.append(p) or smollm2_file)
+    monkeypatch.setattr(smollm, "model_from_gguf", lambda *args: builds.append(args))
+    _, tokenizer = from_gguf(path)
+    assert reads == [path] and len(builds) == 1
+    assert builds[0][0] is gf.metadata and builds[0][1] is weights
+    assert tokenizer.encode("Hi there!") == ours[1].encode("Hi there!")
+
+
+def test_gguf_names_fill_a_llama_model_and_bad_tensors_are_named():
+    """fill with GGUF_NAMES on a small Llama-style model: a file's tensors fill every
+    parameter; a head that differs from the tied embedding and a tensor with no place
+    are named by their GGUF names."""
+    config = GPTConfig(vocab_size=40, context_length=16, d_model=16, n_layers=2,
+                       n_heads=4, n_kv_heads=2, d_ff=24, norm="rmsnorm", ffn="swiglu",
+                       positions="rope")
+    torch.manual_seed(0)
+    source = GPT(config)
+    stored = {rename(n, smollm.GGUF_NAMES): t for n, t in source.state_dict().items()}
+    assert "blk.1.attn_k.weight" in stored and "output.weight" in stored
+    model = fill(GPT(config), stored, "the GGUF file", lambda n: rename(n, smollm.GGUF_NAMES))
+    for (name, p), q in zip(model.state_dict().items(), source.state_dict().values()):
         assert torch.equal(p, q), name
-    bad = {**weights, "output.weight": weights["token_embd.weight"] + 1, "blk.0.x.weight":
-           torch.zeros(1)}
+    bad = {**stored, "output.weight": stored["token_embd.weight"] + 1,
+           "blk.0.x.weight": torch.zeros(1)}
     with pytest.raises(ValueError, match=r"output.weight differs from token_embd.weight, "
                        r"but the model ties them; .*no place for: 'blk.0.x.weight'"):
-        smollm.model_from_gguf(gf.metadata, bad)
+        fill(GPT(config), bad, "the GGUF file", lambda n: rename(n, smollm.GGUF_NAMES))
 
 
 def test_unpermute_inverts_llama_cpp_permute():
