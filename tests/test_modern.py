@@ -41,6 +41,31 @@ def test_qk_norm_matches_written_out_attention():
     torch.testing.assert_close(out, expected)
 
 
+def test_qk_norm_with_rope_and_gqa_matches_transformers_qwen3():
+    """lib's QK-norm is Qwen3's (and Gemma 3's): an RMSNorm over each head's query and key, before
+    RoPE (OLMo 2 instead normalises the whole projection before the split into heads)."""
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from lib.positional import RotaryEmbedding
+
+    torch.manual_seed(8)
+    config = qwen3.Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8, rms_norm_eps=1e-6, attention_bias=False)
+    config._attn_implementation = "sdpa"
+    theirs = qwen3.Qwen3Attention(config, layer_idx=0).eval()
+    ours = MultiHeadAttention(32, 4, n_kv_heads=2, rope=RotaryEmbedding(8, base=config.rope_parameters[
+        "rope_theta"]), qk_norm=True).eval()
+    with torch.no_grad():
+        for mine, hf in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
+                         ("out_proj", "o_proj"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
+            getattr(theirs, hf).weight.copy_(torch.randn_like(getattr(theirs, hf).weight))
+            getattr(ours, mine).weight.copy_(getattr(theirs, hf).weight)
+        x = torch.randn(2, 7, 32)
+        position_ids = torch.arange(7)[None].expand(2, 7)
+        cos_sin = qwen3.Qwen3RotaryEmbedding(config)(x, position_ids)
+        expected, _ = theirs(x, position_embeddings=cos_sin, attention_mask=None)
+        torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_qk_norm_bad_input():
     with pytest.raises(ValueError, match="qk_norm"):
         GPTConfig.tiny(qk_norm="yes")
