@@ -63,17 +63,22 @@ def sft_example(tokenizer, messages: Sequence[Mapping[str, str]], response: str,
     return inputs, targets
 
 
-def pad_batch(examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(examples: Sequence[Example], device: torch.device | str | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack examples of different lengths into ``(B, T)`` inputs (``(B, T, C)`` when the
     inputs are hidden states) and ``(B, T)`` targets, padded on the right (inputs with 0,
-    targets with :data:`IGNORE`)."""
+    targets with :data:`IGNORE`), both on ``device`` (None: where the inputs are)."""
     T = max(len(x) for x, _ in examples)
     first = examples[0][0]
     inputs = first.new_zeros((len(examples), T, *first.shape[1:]))
     targets = torch.full((len(examples), T), IGNORE, dtype=torch.long)
     for row, (x, y) in enumerate(examples):
         inputs[row, :len(x)], targets[row, :len(y)] = x, y
-    return inputs, targets
+    return inputs.to(device or first.device), targets.to(device or first.device)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 class UpperBlocks(nn.Module):
@@ -108,7 +113,7 @@ def lower_states(model: nn.Module, start: int, examples: Sequence[Example],
     with eval_mode(model):
         for i in range(0, len(examples), batch_size):
             chunk = examples[i:i + batch_size]
-            h = model.embed(pad_batch(chunk)[0])  # (B, T, C)
+            h = model.embed(pad_batch(chunk, _device(model))[0])  # (B, T, C)
             for block in model.blocks[:start]:
                 h, _ = block(h)
             out += [(h[row, :len(x)].clone(), y) for row, (x, y) in enumerate(chunk)]
@@ -132,7 +137,7 @@ def response_logprobs(model: nn.Module, examples: Sequence[Example],
     out = []
     with eval_mode(model):
         for i in range(0, len(examples), batch_size):
-            inputs, targets = pad_batch(examples[i:i + batch_size])
+            inputs, targets = pad_batch(examples[i:i + batch_size], _device(model))
             logits, _ = model(inputs)
             out.append(sequence_logprobs(logits, targets))
     return torch.cat(out)
@@ -203,9 +208,10 @@ def finetune(model: nn.Module, data: Sequence, loss_fn: LossFn, steps: int, lr: 
 def sft_loss(model: nn.Module, batch: Sequence[Example]) -> tuple[torch.Tensor, dict]:
     """SFT's loss on a batch of examples: the mean cross-entropy over the targets that
     are not :data:`IGNORE` (the response tokens)."""
-    inputs, targets = pad_batch(batch)
-    logits, _ = model(inputs)  # (B, T, V)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    inputs, targets = pad_batch(batch, _device(model))
+    logits, _ = model(inputs)  # (B, T, V), in at least float32 for the loss
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=IGNORE)
     return loss, {}
 
 
@@ -233,10 +239,11 @@ def dpo(model: nn.Module, pairs: Sequence[tuple[Example, Example]],
 
     def loss_fn(model: nn.Module, batch: list) -> tuple[torch.Tensor, dict]:
         chosen_rejected = [c for (c, _), _ in batch] + [r for (_, r), _ in batch]
-        inputs, targets = pad_batch(chosen_rejected)  # chosen rows first, then rejected
+        # chosen rows first, then rejected
+        inputs, targets = pad_batch(chosen_rejected, _device(model))
         logits, _ = model(inputs)
         chosen, rejected = sequence_logprobs(logits, targets).chunk(2)
-        ref = torch.stack([ref for _, ref in batch])  # (B, 2)
+        ref = torch.stack([ref for _, ref in batch]).to(inputs.device)  # (B, 2)
         loss, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1],
                                               beta)
         margin = r_chosen - r_rejected
