@@ -80,10 +80,10 @@ class GPTConfig:
         check_divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads or self.n_heads)
         for name, allowed in (("norm", NORMS), ("ffn", FFNS), ("positions", POSITIONS)):
             check_choice(name, getattr(self, name), allowed)
-        paired = {"rope": self.head_dim, "sinusoidal": self.d_model}.get(self.positions, 0)
-        if paired % 2:  # (sin, cos) pairs, rotated pairs
-            raise ValueError(f"positions={self.positions!r} needs an even d_model / n_heads "
-                             f"(rope) or d_model (sinusoidal), got {paired}")
+        if self.positions == "rope" and self.head_dim % 2:  # dimensions rotate in pairs
+            raise ValueError(f"positions='rope' needs an even head dimension, got {self.head_dim}")
+        if self.positions == "sinusoidal" and self.d_model % 2:  # (sin, cos) pairs
+            raise ValueError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
         check_number("rope_base", self.rope_base, low=1, low_open=True)
         check_number("dropout", self.dropout, 0, 1, high_open=True)
         check_number("norm_eps", self.norm_eps, low=0, low_open=True, optional=True)

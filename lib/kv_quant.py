@@ -8,8 +8,6 @@ dequantised tensors.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lib.attention import KVCache
@@ -47,10 +45,9 @@ class QuantizedKVCache(KVCache):
     between steps is smaller.
     """
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # no KVCache.__init__: k and v are read from the int8 parts
         self._parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._dtype = torch.float32
-        super().__init__()
 
     @property
     def length(self) -> int:
@@ -76,18 +73,10 @@ class QuantizedKVCache(KVCache):
         """The cached keys, dequantised (None when empty)."""
         return self._read("k")
 
-    @k.setter
-    def k(self, value: Any) -> None:  # the base class's reset and __init__ assign None
-        self._forget(value)
-
     @property
     def v(self) -> torch.Tensor | None:  # type: ignore[override]
         """The cached values, dequantised (None when empty)."""
         return self._read("v")
-
-    @v.setter
-    def v(self, value: Any) -> None:
-        self._forget(value)
 
     def _read(self, name: str) -> torch.Tensor | None:
         """Cached keys or values (``name``: "k" or "v"), dequantised; None if empty."""
@@ -95,11 +84,8 @@ class QuantizedKVCache(KVCache):
             return None
         return dequantize_int8(*self._parts[name], dtype=self._dtype)
 
-    def _forget(self, value: Any) -> None:
-        """Empty the cache (what assigning None to ``k`` or ``v`` means)."""
-        if value is not None:
-            raise ValueError("QuantizedKVCache is filled through update(), "
-                             "not assigned")
+    def reset(self) -> None:
+        """Forget everything (start a new sequence)."""
         self._parts = {}
 
     def nbytes(self) -> int:

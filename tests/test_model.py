@@ -333,8 +333,8 @@ def test_generation_is_reproducible_with_a_generator():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(d_model=30), "d_model .* divisible by n_heads"),
     (dict(n_kv_heads=3), "n_heads .* divisible by n_kv_heads"),
-    (dict(d_model=12, n_heads=4, positions="rope"), "positions='rope' needs an even"),
-    (dict(d_model=15, n_heads=3, positions="sinusoidal"), "positions='sinusoidal' needs an even"),
+    (dict(d_model=12, n_heads=4, positions="rope"), "positions='rope' needs an even head dimension"),
+    (dict(d_model=15, n_heads=3, positions="sinusoidal"), "positions='sinusoidal' needs an even d_model"),
     (dict(sinks=2), "sinks=2 needs a window"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling needs positions"),
     (dict(ffn="moe", n_experts=1, moe_top_k=1), "n_experts"),
