@@ -106,7 +106,8 @@ def fill(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "t
         stored = tensors[key]
         if owner != lib_name:  # a tied head stored anyway: it must be the embedding
             other = tensors.get(name(owner), stored)
-            if not (isinstance(other, torch.Tensor) and torch.equal(stored, other)):
+            both = isinstance(stored, torch.Tensor) and isinstance(other, torch.Tensor)
+            if not (both and torch.equal(stored, other)):
                 problems.append(f"{key} differs from {name(owner)}, but the model ties them")
             continue
         try:
