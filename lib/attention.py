@@ -135,15 +135,15 @@ class KVCache:
 class MultiHeadAttention(nn.Module):
     """Causal multi-head self-attention through ``F.scaled_dot_product_attention``.
 
-    ``n_kv_heads`` (None: ``n_heads``) key/value heads: 1 is multi-query attention, a
-    divisor of ``n_heads`` grouped-query attention. ``rope(x, offset)`` rotates queries
-    and keys (:class:`lib.positional.RotaryEmbedding`). ``window=w``: each token sees the
-    ``w`` most recent positions (itself included) plus the first ``sinks`` (attention
-    sinks). ``qk_norm``: an RMSNorm over each query and key head before RoPE."""
+    ``n_kv_heads`` (None: ``n_heads``): 1 is multi-query attention, a divisor of
+    ``n_heads`` grouped-query attention. ``rope(x, offset)`` rotates queries and keys
+    (:class:`lib.positional.RotaryEmbedding`). ``window=w``: each token sees the ``w``
+    latest positions (itself included) and the first ``sinks`` (attention sinks).
+    ``qk_norm``: an RMSNorm over each query and key head before RoPE."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
-                 rope: nn.Module | None = None, bias: bool = False, dropout: float = 0.0,
-                 window: int | None = None, sinks: int = 0, qk_norm: bool = False) -> None:
+                 rope: nn.Module | None = None, bias: bool = False, dropout: float = 0,
+                 window: int | None = None, sinks: int = 0, qk_norm: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
         self.head_dim = D = d_model // n_heads
@@ -157,14 +157,14 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` at positions ``offset …`` -> ``(B, T, C)``; a ``kv_cache``
-        holds the ``offset`` earlier positions' keys and values, and grows."""
+        """``x`` ``(B, T, C)`` at positions ``offset …`` -> ``(B, T, C)``; a
+        ``kv_cache`` holds the earlier positions' keys and values, and grows."""
         B, T, C = x.shape
         q, k, v = self.project(x, offset, kv_cache)  # (B, H, T, D), (B, H_kv, T_k, D)
         mask, causal = self.mask(T, k.size(2), x.device)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, D)
+            is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads)  # (B,H,T,D)
         y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side: (B, T, C)
         return self.resid_dropout(self.out_proj(y))
 
@@ -177,7 +177,7 @@ class MultiHeadAttention(nn.Module):
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
         k = self.k_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.v_proj(x).view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
-        if self.q_norm is not None:  # each head's queries and keys to RMS 1, times a gain
+        if self.q_norm is not None:  # each head's queries and keys: RMS 1, times a gain
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
@@ -187,8 +187,8 @@ class MultiHeadAttention(nn.Module):
 
     def mask(self, T: int, T_k: int, device: torch.device | str | None = None
              ) -> tuple[torch.Tensor | None, bool]:
-        """``(mask, causal)`` for ``T`` queries, the last of ``T_k`` positions: no mask
-        tensor without a window (one new token sees all keys), else :func:`attention_mask`."""
+        """``(mask, causal)`` for ``T`` queries, the last of ``T_k`` positions: None
+        without a window (one new token sees all keys), else :func:`attention_mask`."""
         if self.window is None and T in (1, T_k):
             return None, T == T_k
         return attention_mask(T, T_k, self.window, self.sinks, device), False

@@ -58,8 +58,8 @@ class TransformerBlock(nn.Module):
                                    config.context_length)
         self.norm1 = make_norm(config)
         attention = CPUMultiHeadAttention if config.cpu_kernels else MultiHeadAttention
-        self.attn = attention(config.d_model, config.n_heads, config.n_kv_heads, rope=rope,
-                              bias=config.bias, dropout=config.dropout,
+        self.attn = attention(config.d_model, config.n_heads, config.n_kv_heads,
+                              rope=rope, bias=config.bias, dropout=config.dropout,
                               window=config.window, sinks=config.sinks,
                               qk_norm=config.qk_norm)
         self.norm2 = make_norm(config)
@@ -67,10 +67,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``, and
-        the feed-forward network's auxiliary loss (a mixture of experts' load-balancing
-        loss; None for the other networks)."""
+        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``,
+        and the feed-forward network's auxiliary loss (a mixture of experts'
+        load-balancing loss; None for the other networks)."""
         x = x + self.attn(self.norm1(x), offset, kv_cache)  # tokens share information
         h = self.ffn(self.norm2(x))  # each token processed on its own
-        h, aux_loss = h if isinstance(h, tuple) else (h, None)  # MoE: (output, its loss)
+        h, aux_loss = h if isinstance(h, tuple) else (h, None)  # MoE: (output, loss)
         return x + h, aux_loss

@@ -54,7 +54,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         rope = None  # one rotary embedding, shared by every block's attention
         if config.positions == "rope":
-            rope = RotaryEmbedding(config.head_dim, config.rope_base, config.rope_scaling, ctx)
+            rope = RotaryEmbedding(config.head_dim, config.rope_base,
+                                   config.rope_scaling, ctx)
         self.blocks = nn.ModuleList(TransformerBlock(config, rope)
                                     for _ in range(config.n_layers))
         self.norm_f = make_norm(config)
@@ -81,8 +82,8 @@ class GPT(nn.Module):
 
     def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """The first block's input, ``(B, T) -> (B, T, C)``: token embeddings plus
-        (learned or sinusoidal) positions ``offset … offset+T-1`` (``offset``: the tokens
-        before ``ids``, e.g. in a KV cache; RoPE rotates q and k instead), dropout."""
+        (learned or sinusoidal) positions ``offset … offset+T-1`` (``offset``: the
+        tokens before ``ids``, e.g. in a KV cache; RoPE rotates q and k instead)."""
         T, ctx = ids.size(1), self.config.context_length
         if offset + T > ctx:  # the one check of the model's own limit, a Python compare
             raise ValueError(f"sequence of {offset + T} tokens is longer than "
@@ -100,7 +101,7 @@ class GPT(nn.Module):
         training, ``config.aux_weight`` times the blocks' mixture-of-experts
         load-balancing losses. With ``kv_caches`` (one :class:`KVCache` per block),
         ``ids`` continues the cached sequence, whose length is its first position."""
-        offset = 0 if kv_caches is None else kv_caches[0].length  # position of ids[:, 0]
+        offset = 0 if kv_caches is None else kv_caches[0].length  # ids[:, 0]'s position
         x = self.embed(ids, offset)  # (B, T, C)
         aux_losses = []  # the blocks' auxiliary losses (mixture of experts only)
         for i, block in enumerate(self.blocks):
@@ -110,7 +111,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm_f(x))  # (B, T, C) -> (B, T, V)
         if targets is None:
             return logits, None
-        V = logits.size(-1)  # in at least float32: bfloat16 log-probabilities are too coarse
+        V = logits.size(-1)  # in at least float32: bfloat16 log-probs are too coarse
         logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = F.cross_entropy(logits32.reshape(-1, V), targets.reshape(-1).long())
         if self.training and self.config.aux_weight > 0:
@@ -125,9 +126,8 @@ class GPT(nn.Module):
                  repetition_penalty: float | None = None) -> torch.Tensor:
         """``ids`` ``(B, T)`` extended by ``max_new_tokens`` tokens, each drawn by
         :func:`lib.sampling.sample_next` from the last position's logits, in eval mode.
-        With ``use_cache`` later steps process only the newest token, reading earlier
-        keys and values from a KV cache; past ``context_length`` tokens every step
-        recomputes on the last ``context_length``."""
+        With ``use_cache`` later steps read earlier keys and values from a KV cache;
+        past ``context_length`` tokens, each step recomputes on the last ones."""
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
         check_token_ids("ids", ids, dim=2, nonempty=True)
@@ -143,7 +143,7 @@ class GPT(nn.Module):
                 next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p,
                                       generator, min_p=min_p, previous_ids=ids,
                                       repetition_penalty=repetition_penalty)  # (B,)
-                ids = torch.cat([ids, next_id[:, None].to(ids.dtype)], dim=1)  # (B, T + 1)
+                ids = torch.cat([ids, next_id[:, None].to(ids.dtype)], dim=1)
         return ids
 
     def num_parameters(self) -> int:

@@ -25,11 +25,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                eps: float = 1e-5) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension, written
     out; the variance is the biased one (divide by ``d``), as in ``nn.LayerNorm``.
-    Computed in at least float32, returned in ``x``'s dtype. ``x (..., d) -> (..., d)``."""
+    In at least float32, returned in ``x``'s dtype; ``(..., d) -> (..., d)``."""
     h = x.to(torch.promote_types(x.dtype, torch.float32))
     mean = h.mean(dim=-1, keepdim=True)  # (..., 1)
     var = (h - mean).pow(2).mean(dim=-1, keepdim=True)  # (..., 1), biased variance
-    h = (h - mean) * torch.rsqrt(var + eps) * weight  # (..., d): mean 0, variance 1, gain
+    h = (h - mean) * torch.rsqrt(var + eps) * weight  # mean 0, variance 1, times a gain
     if bias is not None:
         h = h + bias
     return h.to(x.dtype)
@@ -37,7 +37,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, written out.
-    Computed in at least float32, returned in ``x``'s dtype. ``x (..., d) -> (..., d)``."""
+    In at least float32, returned in ``x``'s dtype; ``(..., d) -> (..., d)``."""
     h = x.to(torch.promote_types(x.dtype, torch.float32))
     ms = h.pow(2).mean(dim=-1, keepdim=True)  # (..., 1), mean square
     return (h * torch.rsqrt(ms + eps) * weight).to(x.dtype)  # (..., d)

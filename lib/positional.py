@@ -263,7 +263,7 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict | None = None, context_length: int = 4096) -> None:
         super().__init__()
         self.head_dim, self.base, self.context_length = head_dim, base, context_length
-        self.scaling = scaling  # validated where it enters (GPTConfig, check_rope_scaling)
+        self.scaling = scaling  # checked where it enters (GPTConfig)
         self.attention_factor = rope_attention_factor(self.scaling)  # 1.0 except YaRN
         cos, sin = self._cos_sin64(torch.arange(context_length))
         self.register_buffer("cos", cos.float(), persistent=False)           # (ctx, D)

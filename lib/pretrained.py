@@ -79,11 +79,15 @@ def _describe(tensor: Any) -> str:
     return f"a {str(tensor.dtype).removeprefix('torch.')} tensor of shape {tuple(tensor.shape)}"
 
 
+# A per-tensor layout change, e.g. GPT-2's transposed Conv1D weights.
+Convert = Callable[[str, torch.Tensor], torch.Tensor]
+
+
 def fill(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "tensors",
          name: Callable[[str], str] = str,
-         convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
-    """Copy ``tensors`` into ``model``'s parameters and buffers (its ``state_dict``): lib's
-    one way to load weights, from a Hugging Face state dict, a GGUF file or a checkpoint.
+         convert: Convert | None = None) -> nn.Module:
+    """Copy ``tensors`` into ``model``'s parameters and buffers (its ``state_dict``):
+    lib's one way to load weights, from a Hugging Face state dict, GGUF or a checkpoint.
 
     ``name(lib_name)`` is the key of that entry in ``tensors`` (the identity when they
     use lib's names); ``convert(lib_name, tensor)`` puts a stored tensor in lib's layout
@@ -108,7 +112,7 @@ def fill(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "t
             other = tensors.get(name(owner), stored)
             both = isinstance(stored, torch.Tensor) and isinstance(other, torch.Tensor)
             if not (both and torch.equal(stored, other)):
-                problems.append(f"{key} differs from {name(owner)}, but the model ties them")
+                problems.append(f"{key} != {name(owner)}, but the model ties them")
             continue
         try:
             value = stored if convert is None else convert(lib_name, stored)
@@ -304,10 +308,11 @@ def from_hf(state_dict: dict[str, torch.Tensor], hf_config: dict,
     prefix = body if f"{body}{rename('tok_emb.weight', names)}" in state_dict else ""
 
     def hf_name(lib_name: str) -> str:  # the head sits outside the body
-        return ("" if lib_name.startswith("lm_head") else prefix) + rename(lib_name, names)
+        return ("" if "lm_head" in lib_name else prefix) + rename(lib_name, names)
 
     tensors = _drop_computed(state_dict, config)
-    model = fill(GPT(config), tensors, "state_dict", hf_name, gpt2_to_lib if gpt2 else None)
+    convert = gpt2_to_lib if gpt2 else None
+    model = fill(GPT(config), tensors, "state_dict", hf_name, convert)
     return model.to(dtype).eval()
 
 

@@ -346,10 +346,9 @@ class BPETokenizer:
             cache.clear()
         out: list[int] = []
         for chunk in self._regex.findall(text):
-            ids = cache.get(chunk)
-            if ids is None:
-                ids = cache[chunk] = encode_chunk(chunk.encode("utf-8"), self.byte_ids, self.merges)
-            out.extend(ids)
+            if chunk not in cache:
+                cache[chunk] = encode_chunk(chunk.encode(), self.byte_ids, self.merges)
+            out.extend(cache[chunk])
         return out
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:

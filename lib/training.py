@@ -211,8 +211,8 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
     At step 0, every ``config.eval_interval`` steps and at ``max_steps`` it records the
     loss on fixed batches and saves the run at ``checkpoint_path`` (the best so far at
     :func:`best_checkpoint_path`); ``resume=True`` goes on from there, ``stop_at=n``
-    stops after n steps. A non-finite loss raises ``FloatingPointError`` naming its step:
-    one CPU process checks each step before its update, else each evaluation and the end.
+    stops after n steps. A non-finite loss raises ``FloatingPointError`` naming its
+    step (checked each step in one CPU process, else at evaluations and the end).
     """
     check_type("config", config, TrainConfig, "TrainConfig")
     rank, world_size = distributed.rank_and_size()
@@ -231,7 +231,7 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
                     and step not in history.step):  # (not the step resumed from)
                 _record(history, pending)  # raises at a non-finite loss since the last
                 best = _measure(history, model, train_data, val_data, config, step, bar)
-                save(step, best=best)  # the latest, and the best at a new validation low
+                save(step, best=best)  # the latest, and the best at a new low
             if step == end:
                 break
             for group in optimizer.param_groups:
@@ -241,7 +241,7 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
             with _autocast(device, config.amp):
                 _, loss = forward(x, y)
             if each_step and not math.isfinite(loss.item()):
-                _raise_non_finite(loss.item(), step + 1)  # before it changes the weights
+                _raise_non_finite(loss.item(), step + 1)  # before the update
             loss.backward()  # under DDP, gradients are averaged over processes here
             norm = clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
             optimizer.step()

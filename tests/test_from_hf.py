@@ -201,7 +201,7 @@ def test_missing_extra_and_misshapen_tensors_are_named():
         from_hf(sd, {**cfg, "num_key_value_heads": 1})
     with pytest.raises(ValueError, match="no tensor 'lm_head.weight'"):
         from_hf({k: v for k, v in sd.items() if k != "lm_head.weight"}, cfg)
-    with pytest.raises(ValueError, match=r"lm_head.weight differs from model.embed_tokens.weight"):
+    with pytest.raises(ValueError, match=r"lm_head.weight != model.embed_tokens.weight"):
         from_hf(sd, {**cfg, "tie_word_embeddings": True})
     with pytest.raises(ValueError, match=r"no place for: 'model.layers.0.self_attn.q_proj.bias'"):
         from_hf({**sd, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, cfg)
