@@ -78,7 +78,8 @@ class LearnedPositionalEmbedding(nn.Module):
         super().__init__()
         self.context_length, self.d_model = context_length, d_model
         self.embedding = nn.Embedding(context_length, d_model)
-        nn.init.normal_(self.embedding.weight, mean=0.0, std=0.02)  # GPT-2's init
+        # N(0, 0.02) as the other weights (OpenAI's GPT-2 code used 0.01 for wpe)
+        nn.init.normal_(self.embedding.weight, mean=0.0, std=0.02)
 
     @property
     def weight(self) -> Tensor:
