@@ -11,9 +11,9 @@ One call trains any ``nn.Module`` whose ``forward(x, y)`` returns ``(logits, los
 losses and save the latest (and the best) checkpoint; then one step: learning rate
 (:func:`lr_at`), batch (:func:`lib.data.get_batch`, from a generator seeded with
 ``config.seed``), forward under autocast, backward, clip, optimizer step
-(:func:`configure_optimizer`). The small functions after it build what the loop uses,
-move the per-step values into the :class:`History` and write the files; data
-parallelism is :mod:`lib.distributed`; checkpoint files are :mod:`lib.checkpoint`.
+(:func:`configure_optimizer`). Resume, the non-finite loss check and the checkpoint
+writes (:mod:`lib.checkpoint`) are in the loop too; the functions after it only set up
+the device, optimizer and progress bar; data parallelism is :mod:`lib.distributed`.
 
 A non-finite batch loss stops the run with a ``FloatingPointError`` that names the step
 whose loss it was. In one CPU process every step's loss is read at once, so the run stops
@@ -36,8 +36,7 @@ import contextlib
 import math
 import os
 import warnings
-from functools import partial
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -220,18 +219,52 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
                      progress, stop_at, world_size)
     device, optimizer, forward, rows = _setup(model, config, rank, world_size)
     generator = torch.Generator().manual_seed(config.seed)  # batches depend on the seed
-    start, history = (_resume(checkpoint_path, model, optimizer, config, generator,
-                              device, stop_at) if resume else (0, History()))
+    start, history = 0, History()
+    if resume:  # weights, optimizer, random states and history from the checkpoint
+        start, history = resume_training(checkpoint_path, model, optimizer, config,
+                                         generator, device)
+        if stop_at is not None and stop_at < start:
+            raise ValueError(f"stop_at={stop_at} is before the checkpoint's step {start}")
     end = stop_at or config.max_steps
-    save = partial(_save, checkpoint_path, model, optimizer, generator, config, history)
-    each_step, pending = _checks_each_step(device, world_size), []  # pending: on device
+    # Read each step's loss at once only in one CPU process: on a GPU that would make the
+    # host wait for the device every step (and one of several processes could stop alone).
+    read_each_step = device.type == "cpu" and world_size == 1
+    pending = []  # one (loss, gradient norm) per step, on the device until read
+    evals = dict(batch_size=config.batch_size, context_length=config.context_length,
+                 n_batches=config.eval_batches, amp=config.amp)
     with _progress_bar(config.max_steps, start, progress and rank == 0) as bar:
         for step in range(start, end + 1):
-            if ((step % config.eval_interval == 0 or step == config.max_steps)
-                    and step not in history.step):  # (not the step resumed from)
-                _record(history, pending)  # raises at a non-finite loss since the last
-                best = _measure(history, model, train_data, val_data, config, step, bar)
-                save(step, best=best)  # the latest, and the best at a new low
+            evaluating = ((step % config.eval_interval == 0 or step == config.max_steps)
+                          and step not in history.step)  # (not the step resumed from)
+            saving = evaluating or (step == end and history.step[-1] != end)
+            if saving and pending:  # one sync (one all-reduce: means over processes)
+                values = distributed.mean_over_processes(torch.stack(pending))
+                losses, norms = values.cpu().T.tolist()
+                pending.clear()
+                for i, loss_value in enumerate(losses):
+                    if not math.isfinite(loss_value):
+                        raise _non_finite(loss_value, len(history.batch_loss) + i + 1)
+                history.batch_loss.extend(losses)
+                history.grad_norm.extend(norms)  # the same in every process
+            best = False
+            if evaluating:  # losses on fixed batches (seeds apart from the training's)
+                lowest = min(history.val_loss, default=math.inf)
+                history.step.append(step)
+                history.train_loss.append(_mean_loss(model, train_data,
+                                                     seed=config.seed + 1, **evals))
+                history.val_loss.append(math.nan if val_data is None else _mean_loss(
+                    model, val_data, seed=config.seed + 2, **evals))
+                history.lr.append(lr_at(step, config))
+                bar.set_postfix(train=history.train_loss[-1], val=history.val_loss[-1])
+                best = history.val_loss[-1] < lowest  # never without validation (NaN)
+            if saving and checkpoint_path is not None:  # the latest; the best at a low
+                if rank == 0:
+                    rng = rng_state(generator, device)
+                    paths = [checkpoint_path, best_checkpoint_path(checkpoint_path)]
+                    for path in paths if best else paths[:1]:
+                        save_checkpoint(path, model, optimizer, step=step,
+                                        train_config=config, history=history, rng=rng)
+                distributed.barrier()  # the files are complete before any process goes on
             if step == end:
                 break
             for group in optimizer.param_groups:
@@ -240,18 +273,22 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
                              generator, device, rows)  # (B, T) each
             with _autocast(device, config.amp):
                 _, loss = forward(x, y)
-            if each_step and not math.isfinite(loss.item()):
-                _raise_non_finite(loss.item(), step + 1)  # before the update
+            if read_each_step and not math.isfinite(loss.item()):
+                raise _non_finite(loss.item(), step + 1)  # before the update
             loss.backward()  # under DDP, gradients are averaged over processes here
             norm = clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             pending.append(torch.stack([loss.detach().float(), norm.float()]))
             bar.update(1)
-    if history.step[-1] != end:  # stopped between evaluations: save the state to resume
-        _record(history, pending)
-        save(end, best=False)
     return history
+
+
+def _non_finite(loss: float, step: int) -> FloatingPointError:
+    """The error :func:`train` raises when the loss of ``step`` (1-based) is not finite."""
+    return FloatingPointError(f"the training loss became {loss} at step {step} (the batch "
+                              f"of history.batch_loss[{step - 1}]); try a lower config.lr "
+                              "or grad_clip")
 
 
 def _setup(model: nn.Module, config: TrainConfig, rank: int, world_size: int
@@ -271,83 +308,6 @@ def _setup(model: nn.Module, config: TrainConfig, rank: int, world_size: int
         forward = torch.compile(forward)
     return device, optimizer, forward, distributed.batch_rows(config.batch_size, rank,
                                                               world_size)
-
-
-def _resume(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-            config: TrainConfig, generator: torch.Generator, device: torch.device,
-            stop_at: int | None) -> tuple[int, History]:
-    """The checkpoint at ``path`` loaded into the run
-    (:func:`lib.checkpoint.resume_training`): its step and history; ``stop_at`` must not
-    lie before that step."""
-    start, history = resume_training(path, model, optimizer, config, generator, device)
-    if stop_at is not None and stop_at < start:
-        raise ValueError(f"stop_at={stop_at} is before the checkpoint's step {start}")
-    return start, history
-
-
-def _checks_each_step(device: torch.device, world_size: int) -> bool:
-    """Whether :func:`train` reads each step's loss at once (else at evaluations): in one
-    CPU process that costs nothing; on a GPU it would make the host wait for the device
-    every step, and of several processes one could stop while the others wait for it."""
-    return device.type == "cpu" and world_size == 1
-
-
-def _raise_non_finite(loss: float, step: int) -> NoReturn:
-    raise FloatingPointError(f"the training loss became {loss} at step {step} (the batch "
-                             f"of history.batch_loss[{step - 1}]); try a lower config.lr "
-                             "or grad_clip")
-
-
-def _record(history: History, pending: list[torch.Tensor]) -> None:
-    """Move the (loss, gradient norm) of the steps since the last call from the device
-    into ``history`` with one synchronisation (under several processes one all-reduce:
-    the losses become means over them); raise at the first step whose loss is not
-    finite."""
-    if not pending:
-        return
-    values = distributed.mean_over_processes(torch.stack(pending))
-    losses, norms = values.cpu().T.tolist()
-    pending.clear()
-    bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
-    if bad:
-        _raise_non_finite(losses[bad[0]], len(history.batch_loss) + bad[0] + 1)
-    history.batch_loss.extend(losses)
-    history.grad_norm.extend(norms)  # the same in every process
-
-
-def _measure(history: History, model: nn.Module, train_data: torch.Tensor,
-             val_data: torch.Tensor | None, config: TrainConfig, step: int,
-             bar: Any) -> bool:
-    """Append to ``history`` the losses after ``step`` steps on the fixed evaluation
-    batches (and show them on the progress bar); True when the validation loss is a new
-    low (never without validation data: NaN)."""
-    kwargs = dict(batch_size=config.batch_size, context_length=config.context_length,
-                  n_batches=config.eval_batches, amp=config.amp)
-    best = min(history.val_loss, default=math.inf)
-    history.step.append(step)
-    history.train_loss.append(_mean_loss(model, train_data, seed=config.seed + 1,
-                                         **kwargs))
-    history.val_loss.append(math.nan if val_data is None else
-                            _mean_loss(model, val_data, seed=config.seed + 2, **kwargs))
-    history.lr.append(lr_at(step, config))
-    bar.set_postfix(train=history.train_loss[-1], val=history.val_loss[-1])
-    return history.val_loss[-1] < best
-
-
-def _save(path: str | os.PathLike | None, model: nn.Module,
-          optimizer: torch.optim.Optimizer, generator: torch.Generator,
-          config: TrainConfig, history: History, step: int, best: bool) -> None:
-    """Write the run after ``step`` steps to ``path`` (None: nowhere) and, with ``best``,
-    to :func:`best_checkpoint_path` too. Rank 0 writes; every process waits until it
-    has."""
-    if path is None:
-        return
-    if distributed.rank_and_size()[0] == 0:
-        rng = rng_state(generator, _model_device(model))
-        for target in (path, best_checkpoint_path(path)) if best else (path,):
-            save_checkpoint(target, model, optimizer, step=step, train_config=config,
-                            history=history, rng=rng)
-    distributed.barrier()  # the files are complete before any process goes on
 
 
 def _progress_bar(total: int, initial: int, show: bool) -> Any:

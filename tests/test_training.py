@@ -340,15 +340,17 @@ def test_on_a_cpu_a_non_finite_loss_stops_the_run_at_its_step_before_its_update(
 @pytest.mark.parametrize("bad_step, stop_at", [(7, None), (23, None), (13, 15)])
 def test_where_reading_each_loss_would_wait_for_a_gpu_the_first_bad_step_is_named_later(
         tmp_path, monkeypatch, bad_step, stop_at):
-    """The deferred check (a GPU's, or several processes'), forced on the CPU: the losses are
-    read at the next evaluation (steps 10, 20, 30), or at the end of a session that stops
-    between evaluations; the error names the first bad step, and nothing is saved after it."""
-    from lib import training
+    """The deferred check (a GPU's, or several processes'), forced on the CPU by a stand-in
+    for two processes (rank 0 of 2, each of which trains on half the batch and agrees with the
+    other): the losses are read at the next evaluation (steps 10, 20, 30), or at the end of a
+    session that stops between evaluations; the error names the first bad step, and nothing is
+    saved after it."""
+    from lib import distributed
 
-    assert training._checks_each_step(torch.device("cpu"), world_size=1)
-    assert not training._checks_each_step(torch.device("cuda"), world_size=1)
-    assert not training._checks_each_step(torch.device("cpu"), world_size=2)
-    monkeypatch.setattr(training, "_checks_each_step", lambda device, world_size: False)
+    monkeypatch.setattr(distributed, "rank_and_size", lambda: (0, 2))
+    monkeypatch.setattr(distributed, "wrap", lambda model, device: model)
+    monkeypatch.setattr(distributed, "mean_over_processes", lambda values: values)
+    monkeypatch.setattr(distributed, "barrier", lambda: None)
     data, config = repeated(), quick_config(max_steps=30, eval_interval=10)
     path = tmp_path / "run.safetensors"
     model = nan_at(small_gpt(), bad_step)
