@@ -146,6 +146,7 @@ def check_beam_search_args(ids: torch.Tensor, beam_width: int, max_new_tokens: i
         raise ValueError(f"ids must have shape (1, T), T >= 1, got {tuple(ids.shape)}")
     check_int("beam_width", beam_width)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
+    check_number("length_penalty", length_penalty)
     top = None if vocab_size is None else vocab_size - 1
     check_int("eos_id", eos_id, minimum=0, maximum=top, optional=True)
 
