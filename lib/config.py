@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lib.checks import check_bool, check_choice, check_divisible, check_int, check_number
+from lib.cpu_kernels import BMM_MAX_POSITIONS
 from lib.positional import check_rope_scaling
 
 NORMS = ("layernorm", "rmsnorm")
@@ -44,7 +45,7 @@ class GPTConfig:
     ``rope_scaling``: None or a rule of ``lib.positional.check_rope_scaling``. ``qk_norm``:
     RMSNorm on each head's queries and keys. ``window``: sliding-window span (None = the whole
     past), plus ``sinks`` first positions always seen. ``norm_eps``: None = 1e-5 (LayerNorm),
-    1e-6 (RMSNorm). ``cpu_kernels``: attention through ``lib.cpu_kernels``, faster on a CPU.
+    1e-6 (RMSNorm). ``cpu_kernels``: attention through ``lib.cpu_kernels`` (CPU; no window).
     """
 
     vocab_size: int = 65
@@ -95,6 +96,9 @@ class GPTConfig:
             raise ValueError(f"rope_scaling needs positions='rope', got {self.positions!r}")
         if self.sinks and self.window is None:
             raise ValueError(f"sinks={self.sinks} needs a window")
+        if self.cpu_kernels and (self.window or self.context_length > BMM_MAX_POSITIONS):
+            raise ValueError(f"cpu_kernels=True needs window=None and context_length <= {BMM_MAX_POSITIONS}"
+                             f", got window={self.window}, context_length={self.context_length}")
         if self.ffn == "moe":
             check_int("n_experts", self.n_experts, minimum=2)
             check_int("moe_top_k", self.moe_top_k, minimum=1, maximum=self.n_experts)

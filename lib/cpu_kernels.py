@@ -3,11 +3,11 @@
 On a CPU, at the tiny model's sizes (a few heads of 32 dimensions, sequences of 64 to
 128 positions), torch's general kernels leave time on the table. Three choices recover
 it, each measured against its alternative by ``benchmarks/cpu_kernels.py`` and checked
-by ``tests/test_fast_paths.py`` to compute what the written-out path computes:
+by ``tests/test_cpu_kernels.py`` to compute what the written-out path computes:
 
 - causal attention as ``baddbmm`` + softmax + ``bmm`` (:func:`causal_attention_bmm`),
   which beats ``F.scaled_dot_product_attention`` up to about :data:`BMM_MAX_POSITIONS`
-  positions;
+  positions (the longest context ``cpu_kernels`` accepts);
 - queries, keys and values from one matmul with the three weight matrices stacked, and
   queries and keys rotated by RoPE in one call;
 - torch's fused AdamW kernel, a training setting: ``TrainConfig(fused_adamw=True)``,
@@ -32,42 +32,47 @@ from lib.attention import KVCache, MultiHeadAttention, attention_mask, repeat_kv
 __all__ = ["BMM_MAX_POSITIONS", "CPUMultiHeadAttention", "causal_attention_bmm"]
 
 # Up to this many positions causal_attention_bmm is faster on a CPU than torch's fused
-# kernel (benchmarks/cpu_kernels.py); longer sequences go to the fused kernel.
+# kernel (benchmarks/cpu_kernels.py); GPTConfig refuses cpu_kernels for longer contexts.
 BMM_MAX_POSITIONS = 128
 
 
 def causal_attention_bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal attention for q, k, v of one shape ``(B, H, T, D)``, in three batched
-    kernels.
+    """Causal attention for queries ``(B, H, T, D)`` that are the last ``T`` of the
+    ``T_k`` positions of keys and values ``(B, H, T_k, D)``, in three batched kernels.
 
-    The formula of :func:`lib.attention.scaled_dot_product_attention` with
-    ``causal=True``: the scores, their scaling and the mask (``-inf`` on future keys,
-    added) are one ``baddbmm``, then the softmax, then the weighted sum, one ``bmm``.
+    The formula of :func:`lib.attention.scaled_dot_product_attention` with the mask of
+    :func:`lib.attention.attention_mask`: the scores, their scaling and the mask
+    (``-inf`` on future keys, added) are one ``baddbmm``, then the softmax, then the
+    weighted sum, one ``bmm``.
     """
     B, H, T, D = q.shape
-    future = torch.zeros(T, T, device=q.device, dtype=q.dtype).masked_fill(
-        ~attention_mask(T, T, device=q.device), float("-inf"))  # (T, T): 0 or -inf
+    T_k = k.size(2)
+    future = torch.zeros(T, T_k, device=q.device, dtype=q.dtype).masked_fill(
+        ~attention_mask(T, T_k, device=q.device), float("-inf"))  # (T, T_k): 0 or -inf
     scores = torch.baddbmm(future, q.reshape(B * H, T, D),
-                           k.reshape(B * H, T, D).transpose(1, 2),
-                           alpha=1 / math.sqrt(D))  # (B*H, T, T): q k^T / sqrt(D) + M
+                           k.reshape(B * H, T_k, D).transpose(1, 2),
+                           alpha=1 / math.sqrt(D))  # (B*H, T, T_k): q k^T / sqrt(D) + M
     weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         weights = F.dropout(weights, p=dropout_p)
-    return torch.bmm(weights, v.reshape(B * H, T, D)).view(B, H, T, D)
+    return torch.bmm(weights, v.reshape(B * H, T_k, D)).view(B, H, T, D)
 
 
 class CPUMultiHeadAttention(MultiHeadAttention):
-    """:class:`lib.attention.MultiHeadAttention` with the CPU path for short causal
-    sequences: q, k and v from one stacked matmul, queries and keys rotated in one call,
-    :func:`causal_attention_bmm`. Everything else (a KV cache, a window, more than
-    :data:`BMM_MAX_POSITIONS` positions, another device, projections that are not plain
-    hook-free ``nn.Linear`` layers, e.g. LoRA) takes the parent's forward."""
+    """:class:`lib.attention.MultiHeadAttention` (causal, no window) computed for a CPU:
+    q, k and v from one matmul with the three weight matrices stacked, queries and keys
+    rotated in one call, :func:`causal_attention_bmm`; a KV cache works as in the parent.
+
+    One path, fixed at construction: :class:`lib.config.GPTConfig` refuses
+    ``cpu_kernels=True`` with a ``window`` or with a ``context_length`` above
+    :data:`BMM_MAX_POSITIONS` (where torch's fused kernel is faster). The stacked matmul
+    reads the projections' weights without calling them, so a forward hook on
+    ``q_proj``/``k_proj``/``v_proj`` does not run and :func:`lib.lora.apply_lora`
+    refuses these projections (build the model with ``cpu_kernels=False`` for LoRA)."""
 
     def forward(self, x: torch.Tensor, offset: int = 0,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        if not self._takes_cpu_path(x, offset, kv_cache):
-            return super().forward(x, offset, kv_cache)
         B, T, C = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         proj = (self.q_proj, self.k_proj, self.v_proj)
@@ -78,19 +83,11 @@ class CPUMultiHeadAttention(MultiHeadAttention):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         if self.rope is not None:
-            qk = self.rope(qk)  # queries and keys rotated in one call
+            qk = self.rope(qk, offset)  # queries and keys rotated in one call
         q, k = qk.split([H, H_kv], dim=1)
-        k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, H_kv, T_k, D), T_k = offset + T
+        k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, T_k, D)
         p = self.dropout if self.training else 0.0
         y = causal_attention_bmm(q, k, v, dropout_p=p)  # (B, H, T, D)
         return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
-
-    def _takes_cpu_path(self, x: torch.Tensor, offset: int,
-                        kv_cache: KVCache | None) -> bool:
-        """True when the CPU path computes what the parent's forward would."""
-        plain = all(type(m) is nn.Linear and not m._forward_hooks
-                    and not m._forward_pre_hooks
-                    for m in (self.q_proj, self.k_proj, self.v_proj))
-        return (plain and offset == 0 and kv_cache is None and self.window is None
-                and x.device.type == "cpu" and x.size(1) <= BMM_MAX_POSITIONS)
-

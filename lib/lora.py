@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lib.checks import check_number, check_type
+from lib.cpu_kernels import CPUMultiHeadAttention
 
 __all__ = ["ATTENTION", "FFN", "SWIGLU", "LoRALinear", "apply_lora", "merge_lora",
            "lora_state_dict"]
@@ -122,6 +123,9 @@ def _target_layers(model: nn.Module, targets: tuple[str, ...], r: int) -> list[s
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model already has LoRA adapters (call merge_lora first to "
                          "fold them in)")
+    if any(isinstance(m, CPUMultiHeadAttention) for m in model.modules()):
+        raise ValueError("model has CPUMultiHeadAttention layers, whose stacked matmul "
+                         "would bypass adapters: build it with cpu_kernels=False for LoRA")
     modules = dict(model.named_modules())
     chosen: dict[str, str] = {}
     for target in targets:

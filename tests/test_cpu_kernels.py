@@ -1,6 +1,6 @@
 """lib.cpu_kernels, the CPU speed-ups of the training step (benchmarks/cpu_kernels.py measures
-them): the batched-matmul causal attention and the CPU attention forward must compute what the
-written-out formula and torch's SDPA compute; the rotary embedding's kept tables must equal the
+them): the batched-matmul causal attention and CPUMultiHeadAttention must compute what the
+written-out formula, torch's SDPA and a reference built from torch and transformers compute; the rotary embedding's kept tables must equal the
 RoPE formula."""
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lib.attention import MultiHeadAttention, scaled_dot_product_attention
+from lib.attention import KVCache, scaled_dot_product_attention
 from lib.cpu_kernels import BMM_MAX_POSITIONS, CPUMultiHeadAttention, causal_attention_bmm
 from lib.lora import apply_lora
 from lib.model import GPT, GPTConfig
 from lib.positional import RotaryEmbedding
+from test_attention import reference_mha
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
@@ -51,33 +52,46 @@ def test_causal_attention_bmm_dropout_only_with_p():
                               causal_attention_bmm(q, k, v))
 
 
-def _mha(cls=MultiHeadAttention, **kwargs) -> MultiHeadAttention:
+def _mha(**kwargs) -> CPUMultiHeadAttention:
     torch.manual_seed(0)
-    return cls(32, 4, **kwargs).double()
+    return CPUMultiHeadAttention(32, 4, **kwargs).double()
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(n_kv_heads=2, bias=True),
                                     dict(rope=RotaryEmbedding(8), qk_norm=True),
                                     dict(n_kv_heads=1, rope=RotaryEmbedding(8))])
-@pytest.mark.parametrize("T", [7, BMM_MAX_POSITIONS + 3])  # the bmm path, the fused kernel
-def test_cpu_forward_equals_the_torch_kernel_path(kwargs, T):
-    """The same weights (same seed) in MultiHeadAttention (F.scaled_dot_product_attention, held
-    against references in test_attention.py) and CPUMultiHeadAttention: outputs and gradients."""
+@pytest.mark.parametrize("T", [1, 7, BMM_MAX_POSITIONS])
+def test_cpu_attention_equals_the_reference_built_from_torch_and_transformers(kwargs, T):
+    """CPUMultiHeadAttention against test_attention's reference_mha (heads split by hand,
+    torch's SDPA, transformers' RoPE): outputs, and the gradients of the input and of every
+    parameter (each projection gets its own back from the stacked matmul)."""
     mha = _mha(**kwargs)
     x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
-    reference = mha(x)
+    reference, _ = reference_mha(mha, x)
     g = torch.randn_like(reference)
     reference_grads = torch.autograd.grad(reference, [x, *mha.parameters()], g)
-    mha = _mha(CPUMultiHeadAttention, **kwargs)
-    assert mha._takes_cpu_path(x, 0, None) == (T <= BMM_MAX_POSITIONS)
-    cpu = mha(x)
-    cpu_grads = torch.autograd.grad(cpu, [x, *mha.parameters()], g)
-    torch.testing.assert_close(cpu, reference)
-    for a, b in zip(cpu_grads, reference_grads):  # each projection gets its own gradient back
-        torch.testing.assert_close(a, b)
+    ours = mha(x)
+    grads = torch.autograd.grad(ours, [x, *mha.parameters()], g)
+    tolerance = dict(atol=1e-5, rtol=1e-5)  # transformers builds its RoPE tables in float32
+    torch.testing.assert_close(ours, reference, **tolerance)
+    for a, b in zip(grads, reference_grads):
+        torch.testing.assert_close(a, b, **tolerance)
+
+
+def test_cpu_attention_with_a_kv_cache_equals_the_whole_sequence_at_once():
+    """Prompt, then one token at a time, then a chunk: every output equals the matching rows of
+    the reference run over the whole sequence."""
+    mha = _mha(n_kv_heads=2, rope=RotaryEmbedding(8), qk_norm=True).eval()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    reference, _ = reference_mha(mha, x)
+    cache, pieces = KVCache(), [(0, 5), (5, 6), (6, 7), (7, 12)]
+    outputs = [mha(x[:, a:b], offset=a, kv_cache=cache) for a, b in pieces]
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference, atol=1e-5, rtol=1e-5)
 
 
 def test_config_cpu_kernels_keeps_the_weights_and_the_outputs_of_a_model():
+    """A smoke test that the config swaps the module and nothing else (the attention itself is
+    held against the reference above): same weights, same logits, cached generation agrees."""
     config = GPTConfig.tiny(11, positions="rope", context_length=32)
     torch.manual_seed(0)
     plain = GPT(config).double()
@@ -87,27 +101,32 @@ def test_config_cpu_kernels_keeps_the_weights_and_the_outputs_of_a_model():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
     ids = torch.randint(0, 11, (2, 32))
     torch.testing.assert_close(model(ids)[0], plain(ids)[0])
-    cached = model.generate(ids[:, :5], 6, temperature=0.0)  # the cache takes the parent path
+    cached = model.generate(ids[:, :5], 6, temperature=0.0)
     assert torch.equal(cached, model.generate(ids[:, :5], 6, temperature=0.0, use_cache=False))
 
 
-def test_hooks_and_lora_keep_the_separate_projections():
-    """A forward hook on a projection, or a LoRA-wrapped projection, must still see its call:
-    the stacked matmul is used only for three plain, hook-free nn.Linear layers."""
-    mha = _mha(CPUMultiHeadAttention)
-    x = torch.randn(1, 5, 32, dtype=torch.float64)
-    assert mha._takes_cpu_path(x, 0, None)
-    seen = []
-    handle = mha.k_proj.register_forward_hook(lambda module, inputs, out: seen.append(out))
-    assert not mha._takes_cpu_path(x, 0, None)
-    mha(x)
-    assert len(seen) == 1
-    handle.remove()
-    assert mha._takes_cpu_path(x, 0, None) and not mha._takes_cpu_path(x, 3, None)
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(window=4), "cpu_kernels=True needs window=None.*got window=4"),
+    (dict(window=4, sinks=1), "cpu_kernels=True needs window=None.*got window=4"),
+    (dict(context_length=BMM_MAX_POSITIONS + 1),
+     f"context_length <= {BMM_MAX_POSITIONS}, got .*context_length={BMM_MAX_POSITIONS + 1}"),
+])
+def test_config_refuses_cpu_kernels_where_they_do_not_apply(kwargs, match):
+    """What the bmm kernel does not compute (a window) or computes slower than torch's fused
+    kernel (longer contexts) is refused when the config is built, not switched per call."""
+    GPTConfig.tiny(11, context_length=BMM_MAX_POSITIONS, cpu_kernels=True)  # the limit itself
+    with pytest.raises(ValueError, match=match):
+        GPTConfig.tiny(11, **{"context_length": 32, **kwargs, "cpu_kernels": True})
+
+
+def test_lora_refuses_a_model_with_cpu_kernels():
+    """The stacked matmul reads the projections' weights without calling them, so adapters would
+    be bypassed: apply_lora says so before changing anything."""
     model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2,
                           d_ff=32, cpu_kernels=True))
-    apply_lora(model, r=2, targets=("q_proj", "v_proj"))
-    assert not model.blocks[0].attn._takes_cpu_path(torch.randn(1, 4, 16), 0, None)
+    with pytest.raises(ValueError, match="cpu_kernels=False"):
+        apply_lora(model, r=2, targets=("q_proj", "v_proj"))
+    assert all(p.requires_grad for p in model.parameters())
 
 
 def test_rope_equals_the_rotation_formula_at_any_offset():
