@@ -33,6 +33,9 @@ _FORMAT = "gptbook-checkpoint-1"
 # Fields of TrainConfig that change where or how fast a run computes, not what it computes (the fused
 # AdamW kernel only rounds differently); a run may resume with different values for these.
 _RESUMABLE_FIELDS = ("device", "compile", "fused_adamw")
+# The GPTConfig field that changes how attention is computed on a CPU, not what (the same
+# parameters, the same results up to rounding); a checkpoint loads with either value.
+_LOADABLE_FIELDS = ("cpu_kernels",)
 
 
 def best_checkpoint_path(path: str | os.PathLike) -> Path:
@@ -212,7 +215,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
 
     The model's ``config`` (when it has a dataclass config, as ``lib.model.GPT`` does) must equal
-    the saved one (a field the file lacks, being older than the field, counts as its default), and
+    the saved one, ``cpu_kernels`` aside (a field the file lacks, being older than the field,
+    counts as its default), and
     the saved tensors must fit the model (:func:`lib.pretrained.fill`); otherwise a ValueError lists
     what differs. Returns the rest of the run state as a :class:`Checkpoint`.
     """
@@ -224,7 +228,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         defaults = {f.name: f.default for f in dataclasses.fields(config)
                     if f.default is not dataclasses.MISSING}
         saved = {**json.loads(json.dumps(defaults, default=str)), **saved}
-    mismatch = _config_mismatch(saved, _config_dict(config))
+    mismatch = _config_mismatch(saved, _config_dict(config), _LOADABLE_FIELDS)
     if mismatch:
         raise ValueError("the checkpoint's model config does not match model: " + "; ".join(mismatch))
     weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
@@ -258,12 +262,13 @@ def _restore_rng(state: dict[str, torch.Tensor], generator: torch.Generator, dev
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def resume_training(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
-           generator: torch.Generator, device: torch.device) -> tuple[int, History]:
+def resume_training(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    config: TrainConfig, generator: torch.Generator,
+                    device: torch.device) -> tuple[int, History]:
     """Load a checkpoint written by ``train`` into ``model``, ``optimizer`` and the batch
     ``generator``; return the step it reached and the history so far.
 
-    The run must continue with the same training config (``device`` and ``compile`` aside);
+    The run must continue with the same training config (``device``, ``compile`` and ``fused_adamw`` aside);
     otherwise a ValueError lists the fields that differ.
     """
     checkpoint = load_checkpoint(path, model, optimizer)

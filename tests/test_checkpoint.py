@@ -22,27 +22,43 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
 
 def unusual_config(**overrides) -> GPTConfig:
     """A config far from every default, so a field that is not saved or not compared shows."""
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    extra = {"sinks": 2} if "sinks" in fields else {}  # attention sinks, where lib has them
     settings = dict(vocab_size=50, context_length=32, d_model=32, n_layers=2, n_heads=4,
                     n_kv_heads=2, d_ff=48, norm="rmsnorm", ffn="swiglu", positions="rope",
-                    rope_base=5000.0, tie_embeddings=False, bias=True, window=8, norm_eps=1e-5,
-                    rope_scaling=dict(LLAMA3), qk_norm=True)
-    return GPTConfig(**{**settings, **extra, **overrides})
+                    rope_base=5000.0, tie_embeddings=False, bias=True, window=8, sinks=2,
+                    norm_eps=1e-5, rope_scaling=dict(LLAMA3), qk_norm=True, dropout=0.1)
+    return GPTConfig(**{**settings, **overrides})
 
 
-def test_gpt_config_and_weights_round_trip(tmp_path):
+# The fields unusual_config cannot set together with the others: cpu_kernels (no window) and the
+# mixture of experts.
+CONFIGS = {"window+sinks": {}, "cpu_kernels": dict(window=None, sinks=0, cpu_kernels=True),
+           "moe": dict(ffn="moe", n_experts=4, moe_top_k=2, moe_aux_weight=0.05)}
+
+
+@pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
+def test_gpt_config_and_weights_round_trip(tmp_path, overrides):
     torch.manual_seed(0)
-    model = GPT(unusual_config())
+    model = GPT(unusual_config(**overrides)).eval()
     path = save_checkpoint(tmp_path / "ck.safetensors", model, step=7)
-    checkpoint = load_checkpoint(path, GPT(unusual_config()))
-    rebuilt = GPT(GPTConfig.from_dict(checkpoint.model_config))
+    checkpoint = load_checkpoint(path, GPT(unusual_config(**overrides)))
+    rebuilt = GPT(GPTConfig.from_dict(checkpoint.model_config)).eval()
     assert rebuilt.config == model.config and checkpoint.step == 7
     load_checkpoint(path, rebuilt)
     for (name, ours), theirs in zip(rebuilt.state_dict().items(), model.state_dict().values()):
         assert torch.equal(ours, theirs), name
     ids = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
     assert torch.equal(rebuilt(ids)[0], model(ids)[0])
+
+
+def test_cpu_kernels_need_not_match(tmp_path):
+    """cpu_kernels changes how attention is computed on a CPU, not what: a checkpoint of a
+    cpu_kernels model loads into the same model without them, and back."""
+    torch.manual_seed(0)
+    config = unusual_config(**CONFIGS["cpu_kernels"])
+    path = save_checkpoint(tmp_path / "ck.safetensors", GPT(config))
+    plain = GPT(dataclasses.replace(config, cpu_kernels=False))
+    load_checkpoint(path, plain)
+    load_checkpoint(save_checkpoint(tmp_path / "plain.safetensors", plain), GPT(config))
 
 
 def test_a_field_that_adds_no_parameters_still_has_to_match(tmp_path):
