@@ -304,12 +304,3 @@ def test_kv_cache_decoding_equals_full_recomputation(kwargs):
     assert cache.k.shape == (2, mha.n_kv_heads, 12, 8)  # the cache holds H_kv heads, not H
     cache.reset()
     assert cache.length == 0
-
-
-def test_dropout_only_in_training():
-    mha = random_mha(dropout=0.5)
-    x = torch.randn(2, 8, 32, dtype=torch.float64)
-    mha.eval()
-    torch.testing.assert_close(mha(x), mha(x))
-    mha.train()
-    assert not torch.allclose(mha(x), mha(x))

@@ -67,21 +67,3 @@ def test_hook_on_act_captures_hidden_activations(ffn):
     handle.remove()
     assert len(captured) == 1 and captured[0].shape[:2] == (2, 3)
     assert captured[0].shape[-1] == (32 if isinstance(ffn, FeedForward) else 24)
-
-
-def test_feedforward_acts_on_each_position_independently():
-    torch.manual_seed(2)
-    ffn = FeedForward(8, 32).double()
-    x = torch.randn(1, 6, 8, dtype=torch.float64)
-    out = ffn(x)
-    for t in range(6):
-        torch.testing.assert_close(ffn(x[:, t:t + 1]), out[:, t:t + 1])
-
-
-def test_dropout_only_in_training():
-    ffn = FeedForward(8, 32, dropout=0.5)
-    x = torch.randn(4, 8)
-    ffn.eval()
-    assert torch.equal(ffn(x), ffn(x))
-    ffn.train()
-    assert (ffn(x) == 0).any()
