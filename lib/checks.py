@@ -14,8 +14,10 @@ Range checks on token ids (:func:`check_id_range`) read the values. On a GPU tha
 for every queued kernel, so they run where data enters the library (``train``, ``generate``,
 ``evaluate``), never inside ``forward``.
 
-One helper here is not a check: :func:`eval_mode`, the context manager every function uses that
-must run a model with dropout off and then give it back in the mode it was in.
+Three helpers here are not checks: :func:`eval_mode`, the context manager every function uses that
+must run a model with dropout off and then give it back in the mode it was in;
+:func:`torch_threads`, which sets torch's CPU threads inside a block and restores them; and
+:func:`model_device`, the device of a model's parameters.
 """
 from __future__ import annotations
 
@@ -112,6 +114,25 @@ def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield model
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Inside, torch uses ``n`` CPU threads (None: unchanged); the setting is restored."""
+    before = torch.get_num_threads()
+    try:
+        if n is not None:
+            torch.set_num_threads(n)
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU for a model without any)."""
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
 
 
 def check_token_ids(name: str, ids: Any, dim: int | None = None,

@@ -148,7 +148,7 @@ class GPTConfig:
 _DEVICES = ("cpu", "cuda", "mps")
 
 
-def _device_type(device: Any) -> str | None:
+def device_type(device: Any) -> str | None:
     """'cpu', 'cuda', 'mps', … for a device string such as 'cuda:0'; None when it is not one."""
     try:
         return torch.device(device).type if isinstance(device, str) else None
@@ -205,7 +205,7 @@ class TrainConfig:
                 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        if self.device is not None and _device_type(self.device) not in _DEVICES:
+        if self.device is not None and device_type(self.device) not in _DEVICES:
             raise ValueError(f"device must be None or one of {_DEVICES} (optionally with an index, "
                              f"e.g. 'cuda:0'), got {self.device!r}")
         for name in ("amp", "compile"):

@@ -50,8 +50,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPTBOOK_CACHE", Path.home() / ".cache" / "gpt-from-the-ground-up"))
 
 
-def sha256_of(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes."""
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of a file, as 64 hex digits (read in 1 MiB chunks). The library's one file
+    hash: data files, GGUF files, downloaded wheels."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -60,7 +61,7 @@ def sha256_of(path: Path) -> str:
 
 
 def _verified(path: Path, corpus: Corpus) -> Path:
-    actual = sha256_of(path)
+    actual = sha256_file(path)
     if actual != corpus.sha256:
         raise ChecksumError(
             f"{path} has SHA-256 {actual}, expected {corpus.sha256} for {corpus.filename}: the file is "

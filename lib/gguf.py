@@ -33,13 +33,15 @@ naming what is wrong before any tensor is built.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+
+from lib.checks import torch_threads
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -104,10 +106,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -221,12 +220,8 @@ def _tensor_info(path: Path, row: tuple, data_offset: int) -> TensorInfo:
             f"{path}: corrupt: tensor {name!r} ({type_name}) has rows of {shape[-1]} "
             f"weights, not a multiple of its block size {block}"
         )
-    numel = 1
-    for size in shape:
-        numel *= size
-    return TensorInfo(
-        name, shape, type_name, data_offset + offset, numel // block * block_bytes
-    )
+    n_bytes = math.prod(shape) // block * block_bytes
+    return TensorInfo(name, shape, type_name, data_offset + offset, n_bytes)
 
 
 def _check_layout(gf: GGUFFile) -> None:
@@ -269,15 +264,6 @@ def read_gguf(path: str | Path) -> GGUFFile:
     return _parse(memoryview(path.read_bytes()), path)
 
 
-def sha256_file(path: str | Path) -> str:
-    """The SHA-256 of a file, as 64 hex digits."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------------------
 # Dequantisation and quantisation (one block per row: (n_blocks, bytes per block) uint8)
 # --------------------------------------------------------------------------------------
@@ -295,16 +281,14 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks (n, 34) -> weights (n, 32): ``d * q`` with 8-bit signed codes ``q``.
-    """
+    """Q8_0 blocks (n, 34) -> weights (n, 32): ``d * q``, 8-bit signed codes ``q``."""
     d = _f16(blocks[:, :2])  # (n, 1)
     q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n, 32) in -128..127
     return q * d
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks (n, 18) -> weights (n, 32): ``d * (q - 8)`` with 4-bit codes ``q``.
-    """
+    """Q4_0 blocks (n, 18) -> weights (n, 32): ``d * (q - 8)``, 4-bit codes ``q``."""
     d = _f16(blocks[:, :2])
     q = _nibbles(blocks[:, 2:]).float() - 8  # (n, 32) in -8..7
     return d * q
@@ -358,8 +342,7 @@ def quantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def quantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     """Weights (n, 32) -> Q4_0 blocks (n, 18): the weight of largest magnitude maps to
-    code
-    0 (``d = that weight / -8``), ``q = min(15, floor(x / d + 8.5))``."""
+    code 0 (``d = that weight / -8``), ``q = min(15, floor(x / d + 8.5))``."""
     i = blocks.abs().argmax(dim=1, keepdim=True)
     d = blocks.gather(1, i) / -8  # (n, 1), signed
     inv = torch.where(d == 0, 0.0, 1 / d)
@@ -390,30 +373,6 @@ def quantize(weights: torch.Tensor, type_name: str) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-def _check_sha256(path: Path, expected: str | None) -> None:
-    if expected is None:
-        return
-    actual = sha256_file(path)
-    if actual != expected.lower():
-        raise GGUFError(
-            f"{path}: wrong checksum: SHA-256 is {actual}, expected {expected}"
-        )
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run torch on one thread: dequantising is many small memory-bound operations, for
-    which waking a second thread costs more than it saves (ten times more on a busy
-    machine).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def load_gguf(
     path: str | Path, sha256: str | None = None
 ) -> tuple[GGUFFile, dict[str, torch.Tensor]]:
@@ -421,20 +380,24 @@ def load_gguf(
     gives them) and every tensor dequantised to float32 (torch order of dimensions),
     keyed by its GGUF name.
 
-    With ``sha256`` the file's checksum is verified first. The whole file is read and
+    With ``sha256`` the checksum of the bytes read is verified first. The whole file is read and
     checked before any tensor is built, so a bad file raises :class:`GGUFError` and
     returns nothing.
     """
     path = Path(path)
-    _check_sha256(path, sha256)
     buf = bytearray(path.read_bytes())
+    actual = None if sha256 is None else hashlib.sha256(buf).hexdigest()
+    if actual is not None and actual != sha256.lower():
+        raise GGUFError(f"{path}: wrong checksum: SHA-256 is {actual}, expected {sha256}")
     gf = _parse(memoryview(buf), path)
     data = (
         torch.frombuffer(buf, dtype=torch.uint8)
         if buf
         else torch.empty(0, dtype=torch.uint8)
     )
-    with _one_thread():
+    # Dequantising is many small memory-bound operations, for which waking a second
+    # thread costs more than it saves (ten times more on a busy machine).
+    with torch_threads(1):
         weights = {
             name: dequantize(
                 data[t.offset : t.offset + t.n_bytes], t.type_name, t.shape

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lib.checks import check_int, check_number, check_type, eval_mode
+from lib.checks import check_int, check_number, check_type, eval_mode, model_device
 
 __all__ = ["IGNORE", "sft_example", "pad_batch", "sequence_logprobs",
            "response_logprobs", "token_kl", "UpperBlocks", "lower_states",
@@ -77,10 +77,6 @@ def pad_batch(examples: Sequence[Example], device: torch.device | str | None = N
     return inputs.to(device or first.device), targets.to(device or first.device)
 
 
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 class UpperBlocks(nn.Module):
     """The blocks of a GPT from block ``start`` on, its final norm and its head.
 
@@ -113,7 +109,7 @@ def lower_states(model: nn.Module, start: int, examples: Sequence[Example],
     with eval_mode(model):
         for i in range(0, len(examples), batch_size):
             chunk = examples[i:i + batch_size]
-            h = model.embed(pad_batch(chunk, _device(model))[0])  # (B, T, C)
+            h = model.embed(pad_batch(chunk, model_device(model))[0])  # (B, T, C)
             for block in model.blocks[:start]:
                 h, _ = block(h)
             out += [(h[row, :len(x)].clone(), y) for row, (x, y) in enumerate(chunk)]
@@ -137,7 +133,7 @@ def response_logprobs(model: nn.Module, examples: Sequence[Example],
     out = []
     with eval_mode(model):
         for i in range(0, len(examples), batch_size):
-            inputs, targets = pad_batch(examples[i:i + batch_size], _device(model))
+            inputs, targets = pad_batch(examples[i:i + batch_size], model_device(model))
             logits, _ = model(inputs)
             out.append(sequence_logprobs(logits, targets))
     return torch.cat(out)
@@ -208,8 +204,8 @@ def finetune(model: nn.Module, data: Sequence, loss_fn: LossFn, steps: int, lr: 
 def sft_loss(model: nn.Module, batch: Sequence[Example]) -> tuple[torch.Tensor, dict]:
     """SFT's loss on a batch of examples: the mean cross-entropy over the targets that
     are not :data:`IGNORE` (the response tokens)."""
-    inputs, targets = pad_batch(batch, _device(model))
-    logits, _ = model(inputs)  # (B, T, V), in at least float32 for the loss
+    inputs, targets = pad_batch(batch, model_device(model))
+    logits, _ = model(inputs)  # (B, T, V), in float32 for the loss
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            ignore_index=IGNORE)
     return loss, {}
@@ -240,7 +236,7 @@ def dpo(model: nn.Module, pairs: Sequence[tuple[Example, Example]],
     def loss_fn(model: nn.Module, batch: list) -> tuple[torch.Tensor, dict]:
         chosen_rejected = [c for (c, _), _ in batch] + [r for (_, r), _ in batch]
         # chosen rows first, then rejected
-        inputs, targets = pad_batch(chosen_rejected, _device(model))
+        inputs, targets = pad_batch(chosen_rejected, model_device(model))
         logits, _ = model(inputs)
         chosen, rejected = sequence_logprobs(logits, targets).chunk(2)
         ref = torch.stack([ref for _, ref in batch]).to(inputs.device)  # (B, 2)

@@ -36,7 +36,7 @@ import torch
 
 from lib import data
 from lib.config import GPTConfig
-from lib.gguf import GGUFError, load_gguf, sha256_file
+from lib.gguf import GGUFError, load_gguf
 from lib.model import GPT
 from lib.pretrained import fill, llama_config, rename
 from lib.tokenizers import (
@@ -69,7 +69,7 @@ def _how_to_supply() -> str:
 
 def _verify(path: Path, sha256: str, what: str) -> Path:
     """``path`` if its SHA-256 is ``sha256``, else a GGUFError saying what it is not."""
-    if sha256_file(path) != sha256:
+    if data.sha256_file(path) != sha256:
         raise GGUFError(f"wrong checksum: {what} (SHA-256 should be {sha256})")
     return path
 

@@ -19,7 +19,6 @@ end with a complete, identical file.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -27,14 +26,13 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from lib import data
 from lib.checkpoint import load_checkpoint, save_checkpoint
-from lib.checks import check_int, check_type
-from lib.config import History, TrainConfig, _device_type
+from lib.checks import check_int, check_type, torch_threads
+from lib.config import History, TrainConfig, device_type
 from lib.model import GPT, GPTConfig
 from lib.tokenizers import CharTokenizer
 from lib.training import train
@@ -109,7 +107,7 @@ def _check_run_args(device: object, train_config: object, num_threads: object) -
     """The arguments of :func:`tiny_shakespeare_run` that nothing after it checks (``seed``
     goes through ``TrainConfig``, ``progress`` through ``train``); returns the device string."""
     device = str(device) if isinstance(device, torch.device) else device
-    if _device_type(device) not in ("cpu", "cuda", "mps"):
+    if device_type(device) not in ("cpu", "cuda", "mps"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'mps' (optionally with an index), "
                          f"got {device!r}")
     check_type("train_config", train_config, TrainConfig, "TrainConfig", optional=True)
@@ -159,7 +157,7 @@ def tiny_shakespeare_run(device: str | torch.device = "cpu",
                 model = GPT(model_config).to(device)
         ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         train_ids, val_ids = data.train_val_split(ids, val_fraction=0.1)
-        with _threads(num_threads):
+        with torch_threads(num_threads):
             history = train(model, train_ids, val_ids, config, progress=progress)
     extra = {"seed": seed, "torch": torch.__version__,
              "tokenizer_chars": "".join(tokenizer.chars)}
@@ -177,18 +175,6 @@ def tiny_shakespeare_model(device: str | torch.device = "cpu",
     run = tiny_shakespeare_run(device=device, train_config=train_config, seed=seed,
                                progress=progress, num_threads=num_threads, text=text)
     return run.model, run.tokenizer
-
-
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """Inside, torch uses ``n`` CPU threads (None: unchanged); the setting is restored."""
-    before = torch.get_num_threads()
-    try:
-        if n is not None:
-            torch.set_num_threads(n)
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _rng_devices(device: str) -> list:

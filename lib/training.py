@@ -46,7 +46,7 @@ from lib import distributed
 from lib.checkpoint import (best_checkpoint_path, resume_training, rng_state,
                             save_checkpoint)
 from lib.checks import (check_choice, check_int, check_number, check_token_data,
-                        check_train_args, check_type, eval_mode)
+                        check_train_args, check_type, eval_mode, model_device)
 from lib.config import OPTIMIZERS, History, TrainConfig
 from lib.data import get_batch
 from lib.optim import MuonAdamW
@@ -155,20 +155,13 @@ def _autocast(device: torch.device, amp: bool) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    """The loss from a model's ``(logits, loss)`` output, or a TypeError saying what was
-    expected (looked at in evaluation; a training run starts with one)."""
+def _check_output(output: Any) -> None:
+    """A TypeError unless a model's output is ``(logits, loss)`` with a scalar loss (looked
+    at once per evaluation, on its first batch; a training run starts with one)."""
     if not (isinstance(output, (tuple, list)) and len(output) == 2
             and isinstance(output[1], torch.Tensor) and output[1].dim() == 0):
         raise TypeError("model(x, y) must return (logits, loss) with a scalar loss "
                         f"tensor, got {type(output).__name__}")
-    return output[1]
 
 
 def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_length: int,
@@ -190,14 +183,17 @@ def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int, context_leng
 def _mean_loss(model: nn.Module, data: torch.Tensor, batch_size: int, context_length: int,
                n_batches: int, seed: int, amp: bool) -> float:
     """:func:`evaluate` without its checks (``train`` checked its data once)."""
-    device = _model_device(model)
+    device = model_device(model)
     generator = torch.Generator().manual_seed(seed)
     total = torch.zeros((), device=device)
     with eval_mode(model):
-        for _ in range(n_batches):
+        for i in range(n_batches):
             x, y = get_batch(data, batch_size, context_length, generator, device)
             with _autocast(device, amp):
-                total += _loss_of(model(x, y)).float()
+                output = model(x, y)
+            if i == 0:
+                _check_output(output)
+            total += output[1].float()
     return float(total) / n_batches
 
 
@@ -297,7 +293,7 @@ def _setup(model: nn.Module, config: TrainConfig, rank: int, world_size: int
     model on it in training mode, the optimizer, the module whose call runs the forward
     pass (in ``DistributedDataParallel`` under several processes, compiled on CUDA when
     ``config.compile``) and the rows of each batch this process trains on."""
-    device = torch.device(config.device) if config.device else _model_device(model)
+    device = torch.device(config.device) if config.device else model_device(model)
     device = distributed.local_device(device)
     model.to(device).train()
     optimizer = configure_optimizer(model, config.lr, config.weight_decay, config.betas,

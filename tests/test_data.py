@@ -23,7 +23,7 @@ def small_corpus(tmp_path, text: str = "hello world\n") -> data.Corpus:
     path = tmp_path / "good.txt"
     path.write_text(text)
     return data.Corpus(filename="small.txt", url="https://example.invalid/small.txt",
-                       sha256=data.sha256_of(path), n_chars=len(text))
+                       sha256=data.sha256_file(path), n_chars=len(text))
 
 
 def test_shared_copy_loads_and_matches_checksum():
