@@ -45,7 +45,8 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     ``forward(T, offset)`` returns rows ``offset … offset+T-1``. Being a formula, it
     also answers for positions past ``context_length`` (computed on the fly), although a
-    model never saw them.
+    model never saw them: standalone use only, since a GPT builds it with its own
+    ``context_length`` and never asks past it.
     """
 
     def __init__(self, context_length: int, d_model: int,
@@ -257,7 +258,9 @@ class RotaryEmbedding(nn.Module):
     cos and sin of positions ``0 … context_length-1`` are computed once, in float64 (a
     float32 angle near position 100,000 is off by ~0.004 rad), and kept as float32
     buffers that move with the module. A model owns one and shares it among its blocks.
-    Later positions are computed the same way when asked for.
+    Later positions are computed the same way when asked for (standalone use only, e.g.
+    tests/test_cpu_kernels.py at offset 5000: a GPT builds it with its own
+    ``context_length`` and never asks past it).
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0,
@@ -296,7 +299,7 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, T: int, offset: int = 0) -> tuple[Tensor, Tensor]:
         """cos and sin of positions ``offset … offset+T-1``, each ``(T, D)``, in the
         buffers' dtype; from the tables, or computed the same way past
-        ``context_length``."""
+        ``context_length`` (standalone use: a GPT never asks past it)."""
         if offset + T <= self.context_length:
             return self.cos[offset:offset + T], self.sin[offset:offset + T]
         cos, sin = self._cos_sin64(torch.arange(offset, offset + T))
