@@ -7,8 +7,8 @@ to every logit) without overflow.
 
 These are the formulas a chapter builds and shows; tests hold them against
 ``F.log_softmax`` and ``F.cross_entropy``. Training code (:meth:`lib.model.GPT.forward`,
-fine-tuning) calls ``F.cross_entropy`` itself, one kernel that never materialises the
-``(..., V)`` log-probabilities.
+fine-tuning) calls ``F.cross_entropy`` itself: torch's log-softmax and negative
+log-likelihood kernels, which skip the Python-level steps of the formulas here.
 """
 from __future__ import annotations
 
