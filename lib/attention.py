@@ -81,7 +81,7 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ones before dropout). output: ``(..., H, T_q, D)``; weights: ``(..., H, T_q, T_k)``,
     each row sums to 1.
     """
-    if q.dim() >= 3:  # heads dimension present: repeat k/v heads if grouped (no-op otherwise)
+    if q.dim() >= 3:  # with a heads axis: repeat k/v heads if grouped, else a no-op
         k, v = repeat_kv(k, q.size(-3)), repeat_kv(v, q.size(-3))  # (..., H, T_k, D)
     T_q, T_k = q.size(-2), k.size(-2)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., T_q, T_k)

@@ -220,10 +220,12 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
         start, history = resume_training(checkpoint_path, model, optimizer, config,
                                          generator, device)
         if stop_at is not None and stop_at < start:
-            raise ValueError(f"stop_at={stop_at} is before the checkpoint's step {start}")
+            raise ValueError(f"stop_at={stop_at} is before the checkpoint's step "
+                             f"{start}")
     end = stop_at or config.max_steps
-    # Read each step's loss at once only in one CPU process: on a GPU that would make the
-    # host wait for the device every step (and one of several processes could stop alone).
+    # Read each step's loss at once only in one CPU process: on a GPU that would make
+    # the host wait for the device every step (and one of several processes could stop
+    # alone).
     read_each_step = device.type == "cpu" and world_size == 1
     pending = []  # one (loss, gradient norm) per step, on the device until read
     evals = dict(batch_size=config.batch_size, context_length=config.context_length,
@@ -260,7 +262,7 @@ def train(model: nn.Module, train_data: torch.Tensor, val_data: torch.Tensor | N
                     for path in paths if best else paths[:1]:
                         save_checkpoint(path, model, optimizer, step=step,
                                         train_config=config, history=history, rng=rng)
-                distributed.barrier()  # the files are complete before any process goes on
+                distributed.barrier()  # files complete before any process goes on
             if step == end:
                 break
             for group in optimizer.param_groups:
