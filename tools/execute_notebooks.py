@@ -5,6 +5,7 @@ Each notebook runs with its own folder as the working directory, as nbval runs i
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,11 @@ def execute(path: Path, timeout: int = 900) -> float:
 
 
 if __name__ == "__main__":
+    # The kernels inherit this environment: the same settings as `make execute` and nbval
+    # (conftest.py), so a direct call cannot store outputs nbval will not reproduce (an
+    # inline figure under the default backend, a different set order).
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     for arg in sys.argv[1:]:
