@@ -188,6 +188,16 @@ def test_renormalised_top1_gate_would_starve_the_router():
     assert _router_grad(1, renormalise_top1=True) < 1e-6 < 1e-3 < _router_grad(1)
 
 
+def _copy_experts(block, moe: MoE) -> None:
+    """Copy lib's router and experts into a transformers sparse-MoE block (gate and up
+    projections stacked as transformers stores them)."""
+    with torch.no_grad():
+        block.gate.weight.copy_(moe.router.weight)
+        for e, expert in enumerate(moe.experts):
+            block.experts.gate_up_proj[e].copy_(torch.cat([expert.w_gate.weight, expert.w_up.weight]))
+            block.experts.down_proj[e].copy_(expert.w_down.weight)
+
+
 def _mixtral_block(moe: MoE):
     """transformers' MixtralSparseMoeBlock with the weights of ``moe`` copied in."""
     mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
@@ -195,11 +205,7 @@ def _mixtral_block(moe: MoE):
                                    num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
                                    hidden_act="silu", router_jitter_noise=0.0)
     block = mixtral.MixtralSparseMoeBlock(config).eval()
-    with torch.no_grad():
-        block.gate.weight.copy_(moe.router.weight)
-        for e, expert in enumerate(moe.experts):
-            block.experts.gate_up_proj[e].copy_(torch.cat([expert.w_gate.weight, expert.w_up.weight]))
-            block.experts.down_proj[e].copy_(expert.w_down.weight)
+    _copy_experts(block, moe)
     return block, mixtral.load_balancing_loss_func
 
 
@@ -237,11 +243,7 @@ def _olmoe_block(moe: MoE):
                                num_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
                                norm_topk_prob=False, hidden_act="silu")
     block = olmoe.OlmoeSparseMoeBlock(config).eval()
-    with torch.no_grad():
-        block.gate.weight.copy_(moe.router.weight)
-        for e, expert in enumerate(moe.experts):
-            block.experts.gate_up_proj[e].copy_(torch.cat([expert.w_gate.weight, expert.w_up.weight]))
-            block.experts.down_proj[e].copy_(expert.w_down.weight)
+    _copy_experts(block, moe)
     return block, olmoe.load_balancing_loss_func
 
 
