@@ -37,7 +37,7 @@ def make_ffn(config: GPTConfig) -> nn.Module:
     'gelu_tanh' or 'relu'), or a mixture of SwiGLU experts for ``ffn='moe'``."""
     if config.ffn == "moe":
         return MoE(config.d_model, config.d_ff, config.n_experts, config.moe_top_k,
-                   bias=config.bias, dropout=config.dropout)
+                   bias=config.bias, dropout=config.dropout, aux_weight=config.aux_weight)
     if config.ffn == "swiglu":
         return SwiGLU(config.d_model, config.d_ff, bias=config.bias,
                       dropout=config.dropout)
@@ -66,11 +66,7 @@ class TransformerBlock(nn.Module):
         self.ffn = make_ffn(config)
 
     def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``,
-        and the feed-forward network's auxiliary loss (a mixture of experts'
-        load-balancing loss; None for the other networks)."""
+                ) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``."""
         x = x + self.attn(self.norm1(x), offset, kv_cache)  # tokens share information
-        h = self.ffn(self.norm2(x))  # each token processed on its own
-        h, aux_loss = h if isinstance(h, tuple) else (h, None)  # MoE: (output, loss)
-        return x + h, aux_loss
+        return x + self.ffn(self.norm2(x))  # each token processed on its own

@@ -40,7 +40,7 @@ class GPTConfig:
     ``n_kv_heads``: key/value heads (None = ``n_heads``). ``ffn``: 'gelu', 'gelu_tanh' (GPT-2)
     or 'relu' name the two-matrix MLP's activation; 'swiglu' is Llama's gated network; 'moe' a
     mixture of ``n_experts`` SwiGLU experts, ``moe_top_k`` per token, whose load-balancing loss
-    times ``moe_aux_weight`` (None = 0.01) joins the training loss (the three fields are read
+    times ``moe_aux_weight`` (None = 0.01) joins the training gradient (the three fields are read
     only with ``ffn='moe'``). ``positions``: 'learned', 'sinusoidal', 'rope' or 'none';
     ``rope_scaling``: None or a rule of ``lib.positional.check_rope_scaling``. ``qk_norm``:
     RMSNorm on each head's queries and keys. ``window``: sliding-window span (None = the whole

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FeedForward", "GELU", "MoE", "SwiGLU", "gelu"]
+__all__ = ["FeedForward", "GELU", "MoE", "SwiGLU", "gelu", "with_aux_loss"]
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -83,6 +83,28 @@ class SwiGLU(nn.Module):
         return self.dropout(self.w_down(h))  # (B, T, d_ff) -> (B, T, C)
 
 
+class _AuxLoss(torch.autograd.Function):
+    """Identity on ``y`` going forward; going backward, ``aux`` also gets gradient 1."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux,) = ctx.saved_tensors
+        return grad_y, torch.ones_like(aux)
+
+
+def with_aux_loss(y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``y`` itself, with ``aux`` (0-dim) attached to the backward pass: a ``backward()``
+    that reaches ``y`` adds the gradient of ``aux``, as if ``aux`` had been added to the
+    loss, whose value does not change. Megatron-LM (``MoEAuxLossAutoScaler``) and
+    DeepSeek's MoE models (``AddAuxiliaryLoss``) attach their balancing losses this way."""
+    return _AuxLoss.apply(y, aux)
+
+
 class MoE(nn.Module):
     """A mixture of experts: ``n_experts`` SwiGLU networks and a router that sends each
     token to ``top_k`` of them.
@@ -94,19 +116,19 @@ class MoE(nn.Module):
     ``sum_i g_i * expert_i(x)`` over the chosen experts. Only the chosen experts work on
     a token, so it uses ``top_k / n_experts`` of the experts' parameters.
 
-    ``forward`` returns the output and the Switch Transformer load-balancing loss
-    ``n_experts * sum_e f_e P_e`` of the batch (``f_e``: fraction of the (token, slot)
-    assignments that went to expert ``e``; ``P_e``: mean router probability of ``e``).
-    It is 1 when routing is uniform and grows as the load concentrates;
-    :class:`lib.model.GPT` adds it, weighted, to the training loss. For plots,
-    ``expert_counts`` ``(n_experts,)`` keeps how many assignments each expert received in
-    the last batch.
+    The experts are kept busy alike by the Switch Transformer load-balancing loss
+    (:meth:`balancing_loss`), which is 1 when routing is uniform and grows as the load
+    concentrates. In training mode ``forward`` adds ``aux_weight`` times its gradient to
+    the backward pass (:func:`with_aux_loss`); the output, and so the model's loss, is
+    unchanged. For plots, ``expert_counts`` ``(n_experts,)`` keeps how many assignments
+    each expert received in the last batch.
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int,
-                 bias: bool = False, dropout: float = 0.0) -> None:
+                 bias: bool = False, dropout: float = 0.0, aux_weight: float = 0.01) -> None:
         super().__init__()
         self.n_experts, self.top_k, self.d_model = n_experts, top_k, d_model
+        self.aux_weight = aux_weight
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(d_model, d_ff, bias=bias)
                                      for _ in range(n_experts))
@@ -129,9 +151,17 @@ class MoE(nn.Module):
             return probs, experts, top_p
         return probs, experts, top_p / top_p.sum(dim=-1, keepdim=True)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``(B, T, C)`` -> the output ``(B, T, C)`` and the load-balancing loss
-        (a 0-dim tensor)."""
+    def balancing_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The Switch Transformer load-balancing loss ``n_experts * sum_e f_e P_e`` (0-dim)
+        of one routing (:meth:`route`): ``f_e`` the fraction of the (token, slot)
+        assignments that went to expert ``e``, ``P_e`` its mean router probability. Only
+        ``P_e`` carries a gradient."""
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
+        fraction = counts.float() / experts.numel()  # f_e, sums to 1
+        return self.n_experts * (fraction * probs.mean(dim=0)).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``."""
         flat = x.reshape(-1, self.d_model)  # (N, C), N = B * T tokens
         probs, experts, gates = self.route(flat)
         out = torch.zeros_like(flat)
@@ -141,11 +171,11 @@ class MoE(nn.Module):
             # stay in the autograd graph (zero gradient), as DDP requires.
             y = expert(flat[token]) * gates[token, slot, None]  # (n_e, C), gated
             out.index_add_(0, token, y.to(out.dtype))
-        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
-        fraction = counts.float() / experts.numel()  # f_e, sums to 1
-        aux_loss = self.n_experts * (fraction * probs.mean(dim=0)).sum()
-        self.expert_counts = counts.detach()
-        return self.dropout(out.reshape(x.shape)), aux_loss
+        self.expert_counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
+        out = self.dropout(out.reshape(x.shape))
+        if self.training:  # the balancing loss joins the gradient, not the output
+            out = with_aux_loss(out, self.aux_weight * self.balancing_loss(probs, experts))
+        return out
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, top_k={self.top_k}"

@@ -97,25 +97,19 @@ class GPT(nn.Module):
                 kv_caches: list[KVCache] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(B, T, V)``, and the loss when ``targets`` ``(B, T)`` is given (else
-        None): ``F.cross_entropy`` in at least float32 (targets -100 left out), plus, in
-        training, ``config.aux_weight`` times the blocks' mixture-of-experts
-        load-balancing losses. With ``kv_caches`` (one :class:`KVCache` per block),
-        ``ids`` continues the cached sequence, whose length is its first position."""
+        None): ``F.cross_entropy`` in at least float32 (targets -100 left out). With
+        ``kv_caches`` (one :class:`KVCache` per block), ``ids`` continues the cached
+        sequence, whose length is its first position."""
         offset = 0 if kv_caches is None else kv_caches[0].length  # ids[:, 0]'s position
         x = self.embed(ids, offset)  # (B, T, C)
-        aux_losses = []  # the blocks' auxiliary losses (mixture of experts only)
         for i, block in enumerate(self.blocks):
-            x, aux_loss = block(x, offset, None if kv_caches is None else kv_caches[i])
-            if aux_loss is not None:
-                aux_losses.append(aux_loss)
+            x = block(x, offset, None if kv_caches is None else kv_caches[i])
         logits = self.lm_head(self.norm_f(x))  # (B, T, C) -> (B, T, V)
         if targets is None:
             return logits, None
         V = logits.size(-1)  # in at least float32: bfloat16 log-probs are too coarse
         logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = F.cross_entropy(logits32.reshape(-1, V), targets.reshape(-1).long())
-        if self.training and self.config.aux_weight > 0:
-            loss = loss + self.config.aux_weight * torch.stack(aux_losses).sum()
         return logits, loss
 
     @torch.no_grad()
@@ -170,5 +164,5 @@ def attention_maps(model: GPT, ids: torch.Tensor) -> list[torch.Tensor]:
         x = model.embed(ids)
         for block in model.blocks:
             maps.append(attention_weights(block.attn, block.norm1(x)))
-            x, _ = block(x)
+            x = block(x)
     return maps

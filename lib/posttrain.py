@@ -95,7 +95,7 @@ class UpperBlocks(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
         for block in self.blocks:
-            h, _ = block(h)  # (a mixture of experts' balancing loss is not used here)
+            h = block(h)
         return self.lm_head(self.norm_f(h)), None
 
 
@@ -111,7 +111,7 @@ def lower_states(model: nn.Module, start: int, examples: Sequence[Example],
             chunk = examples[i:i + batch_size]
             h = model.embed(pad_batch(chunk, model_device(model))[0])  # (B, T, C)
             for block in model.blocks[:start]:
-                h, _ = block(h)
+                h = block(h)
             out += [(h[row, :len(x)].clone(), y) for row, (x, y) in enumerate(chunk)]
     return out
 

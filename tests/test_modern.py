@@ -90,7 +90,7 @@ def test_moe_equals_dense_loop(top_k):
     torch.manual_seed(0)
     moe = MoE(8, 16, n_experts=4, top_k=top_k)
     x = torch.randn(2, 7, 8)
-    torch.testing.assert_close(moe(x)[0], _dense_moe(moe, x))
+    torch.testing.assert_close(moe(x), _dense_moe(moe, x))
     assert int(moe.expert_counts.sum()) == 2 * 7 * top_k
 
 
@@ -101,8 +101,9 @@ def test_moe_all_experts_with_one_expert_width_is_gated_mean():
         moe.router.weight.zero_()  # uniform router: gates 1/3 each
     x = torch.randn(4, 8)[None]
     expected = sum(expert(x) for expert in moe.experts) / 3
-    out, aux = moe(x)
+    out = moe(x)
     torch.testing.assert_close(out, expected)
+    aux = moe.balancing_loss(*moe.route(x[0])[:2])
     assert aux.item() == pytest.approx(1.0)  # uniform probabilities: the loss's minimum
 
 
@@ -113,30 +114,41 @@ def test_moe_aux_loss_grows_with_imbalance():
         moe.router.weight.zero_()
         moe.router.weight[0] = 5.0  # expert 0 wins for inputs with a positive feature sum
     x = torch.rand(1, 32, 8)
-    _, aux = moe(x)
+    moe(x)
+    aux = moe.balancing_loss(*moe.route(x[0])[:2])
     assert moe.expert_counts.tolist() == [32, 0, 0, 0]
     assert aux.item() > 3.5
     aux.backward()
     assert moe.router.weight.grad.abs().sum() > 0  # gradient reaches the router through P_e
 
 
-def test_gpt_moe_training_loss_is_cross_entropy_plus_transformers_balancing_loss():
-    """In training mode GPT's loss is F.cross_entropy plus aux_weight times the sum over layers of
-    transformers' Mixtral balancing loss of that layer's router logits, divided by k."""
+def test_gpt_moe_training_gradient_is_cross_entropys_plus_transformers_balancing_loss():
+    """In training mode GPT's loss is F.cross_entropy alone, and its gradient is that of
+    F.cross_entropy plus aux_weight times the sum over layers of transformers' Mixtral
+    balancing loss of that layer's router logits, divided by k (the reference is taken in
+    eval mode, where nothing is attached; without dropout the two modes compute the same)."""
     mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
     torch.manual_seed(0)
     config = GPTConfig.tiny(ffn="moe", n_experts=4, moe_top_k=2, d_ff=64, n_layers=2, moe_aux_weight=0.5)
-    model = GPT(config).train()
+    model = GPT(config)
     router_logits = []
     for block in model.blocks:
         block.ffn.router.register_forward_hook(lambda m, i, out: router_logits.append(out))
     ids, targets = torch.randint(0, 65, (2, 12)), torch.randint(0, 65, (2, 12))
-    logits, total = model(ids, targets)
-    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 65), targets.reshape(-1))
+    logits, ce = model.eval()(ids, targets)
+    torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(logits.reshape(-1, 65), targets.reshape(-1)))
     balance = sum(mixtral.load_balancing_loss_func((r,), num_experts=4, top_k=2) / 2
                   for r in router_logits)
     assert len(router_logits) == 2 and balance > 1.0   # above its minimum: a term that counts
-    torch.testing.assert_close(total, ce + 0.5 * balance)
+    params = list(model.parameters())
+    expected = torch.autograd.grad(ce + 0.5 * balance, params, allow_unused=True, retain_graph=True)
+    _, loss = model.train()(ids, targets)
+    torch.testing.assert_close(loss, ce)                 # the value: cross-entropy alone
+    loss.backward()
+    for p, g in zip(params, expected):
+        torch.testing.assert_close(p.grad, torch.zeros_like(p) if g is None else g)
+    ce_only = torch.autograd.grad(ce, [b.ffn.router.weight for b in model.blocks])
+    assert all(not torch.allclose(b.ffn.router.weight.grad, g) for b, g in zip(model.blocks, ce_only))
     assert GPTConfig.tiny(ffn="moe", n_experts=4, moe_top_k=1).aux_weight == 0.01  # Switch's alpha
     assert GPTConfig.tiny().aux_weight == 0.0
 
@@ -163,19 +175,19 @@ def test_moe_expert_computes_swiglu_scaled_by_its_probability():
     w = moe.experts[1]
     gate, up = x @ w.w_gate.weight.T, x @ w.w_up.weight.T
     expected = p1 * ((gate * torch.sigmoid(gate) * up) @ w.w_down.weight.T)
-    torch.testing.assert_close(moe(x)[0], expected)
+    torch.testing.assert_close(moe(x), expected)
     assert moe.expert_counts.tolist() == [0, 6, 0]
 
 
 def _router_grad(top_k: int, renormalise_top1: bool = False) -> float:
     """|dL/dW_r| from a task loss alone (no balancing term) for a fresh MoE."""
     torch.manual_seed(4)
-    moe = MoE(16, 32, n_experts=4, top_k=top_k)
+    moe = MoE(16, 32, n_experts=4, top_k=top_k, aux_weight=0.0)
     x, target = torch.randn(64, 16), torch.randn(64, 16)
     if renormalise_top1:  # the old gate p / p = 1: what the router would get then
         route = moe.route
         moe.route = lambda t: (lambda p, e, g: (p, e, g / g.sum(-1, keepdim=True)))(*route(t))
-    torch.nn.functional.mse_loss(moe(x)[0], target).backward()
+    torch.nn.functional.mse_loss(moe(x), target).backward()
     return moe.router.weight.grad.norm().item()
 
 
@@ -216,9 +228,10 @@ def test_renormalised_top_k_matches_transformers_mixtral(top_k):
     block, balance = _mixtral_block(moe)
     x = torch.randn(3, 7, 16)
     with torch.no_grad():
-        out, aux = moe(x)
+        out = moe(x)
         torch.testing.assert_close(out, block(x))
         logits = moe.router(x.reshape(-1, 16))
+        aux = moe.balancing_loss(*moe.route(x.reshape(-1, 16))[:2])
     # transformers counts f_e over tokens (summing to k); lib over the N k assignments (to 1)
     hf = balance((logits,), num_experts=4, top_k=top_k)
     torch.testing.assert_close(aux, hf / top_k)
@@ -230,7 +243,7 @@ def test_top1_balancing_loss_matches_transformers():
     _, balance = _mixtral_block(moe)
     x = torch.randn(2, 9, 16)
     with torch.no_grad():
-        _, aux = moe(x)
+        aux = moe.balancing_loss(*moe.route(x.reshape(-1, 16))[:2])
         logits = moe.router(x.reshape(-1, 16))
     torch.testing.assert_close(aux, balance((logits,), num_experts=4, top_k=1))
 
@@ -253,9 +266,10 @@ def test_top1_matches_transformers_olmoe_without_renormalisation():
     block, balance = _olmoe_block(moe)
     x = torch.randn(3, 7, 16)
     with torch.no_grad():
-        out, aux = moe(x)
+        out = moe(x)
         torch.testing.assert_close(out, block(x))
         logits = moe.router(x.reshape(-1, 16))
+        aux = moe.balancing_loss(*moe.route(x.reshape(-1, 16))[:2])
     torch.testing.assert_close(aux, balance((logits,), num_experts=4, top_k=1))
     # the gate is p itself, not p / p = 1: the output is not the chosen expert's plain output
     chosen = logits.argmax(-1)
