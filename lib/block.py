@@ -49,13 +49,12 @@ class TransformerBlock(nn.Module):
     """One pre-norm block: ``norm1``, ``attn``, ``norm2``, ``ffn``."""
 
     def __init__(self, config: GPTConfig, rope: RotaryEmbedding | None = None) -> None:
-        """``rope``: the model's RotaryEmbedding, shared by all its blocks (None: the
-        block makes its own when ``config.positions == 'rope'``)."""
+        """``rope``: the model's RotaryEmbedding, shared by all its blocks; given exactly
+        when ``config.positions == 'rope'``."""
         super().__init__()
-        if rope is None and config.positions == "rope":
-            rope = RotaryEmbedding(config.head_dim, config.rope_base,
-                                   config.rope_scaling,
-                                   config.context_length)
+        if (rope is not None) != (config.positions == "rope"):
+            raise ValueError(f"rope must be given exactly when config.positions == 'rope'; "
+                             f"got positions={config.positions!r}, rope={rope!r}")
         self.norm1 = make_norm(config)
         attention = CPUMultiHeadAttention if config.cpu_kernels else MultiHeadAttention
         self.attn = attention(config.d_model, config.n_heads, config.n_kv_heads,
