@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from lib.attention import KVCache
-
 __all__ = ["QuantizedKVCache", "dequantize_int8", "quantize_int8"]
 
 
@@ -35,8 +33,10 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor,
     return (q.float() * scale).to(dtype)
 
 
-class QuantizedKVCache(KVCache):
-    """A :class:`lib.attention.KVCache` that stores keys and values as int8.
+class QuantizedKVCache:
+    """Keys and values of every token processed so far, for one attention layer, stored
+    as int8: a drop-in for :class:`lib.attention.KVCache` (the same ``length``,
+    ``update`` and ``reset``).
 
     Each key (and value) vector of one head at one position, ``D`` numbers, is kept as
     ``D`` int8 values and one float32 scale (:func:`quantize_int8`): ``D + 4`` bytes
@@ -45,53 +45,37 @@ class QuantizedKVCache(KVCache):
     between steps is smaller.
     """
 
-    def __init__(self) -> None:  # no KVCache.__init__: k and v are read from the int8 parts
-        self._parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._dtype = torch.float32
+    def __init__(self) -> None:
+        # "k" and "v" -> (int8 values (B, H_kv, T, D), float32 scales (B, H_kv, T, 1))
+        self.parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def length(self) -> int:
         """Number of cached positions."""
-        return 0 if not self._parts else self._parts["k"][0].size(2)
+        return 0 if not self.parts else self.parts["k"][0].size(2)
 
     def update(self, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantise and append ``(B, H_kv, T, D)`` keys and values; return all of them
-        dequantised."""
-        self._dtype = k.dtype
+        dequantised, ``(B, H_kv, T_cached, D)`` in the dtype of ``k``."""
         for name, x in (("k", k), ("v", v)):
             q, scale = quantize_int8(x)
-            if name in self._parts:
-                old_q, old_scale = self._parts[name]
+            if name in self.parts:
+                old_q, old_scale = self.parts[name]
                 q = torch.cat([old_q, q], dim=2)
                 scale = torch.cat([old_scale, scale], dim=2)
-            self._parts[name] = (q, scale)
-        return self.k, self.v
-
-    @property
-    def k(self) -> torch.Tensor | None:  # type: ignore[override]
-        """The cached keys, dequantised (None when empty)."""
-        return self._read("k")
-
-    @property
-    def v(self) -> torch.Tensor | None:  # type: ignore[override]
-        """The cached values, dequantised (None when empty)."""
-        return self._read("v")
-
-    def _read(self, name: str) -> torch.Tensor | None:
-        """Cached keys or values (``name``: "k" or "v"), dequantised; None if empty."""
-        if not self._parts:
-            return None
-        return dequantize_int8(*self._parts[name], dtype=self._dtype)
+            self.parts[name] = (q, scale)
+        return (dequantize_int8(*self.parts["k"], dtype=k.dtype),
+                dequantize_int8(*self.parts["v"], dtype=k.dtype))
 
     def reset(self) -> None:
         """Forget everything (start a new sequence)."""
-        self._parts = {}
+        self.parts = {}
 
     def nbytes(self) -> int:
         """Bytes stored: the int8 keys and values plus their float32 scales."""
         return sum(q.numel() * q.element_size() + s.numel() * s.element_size()
-                   for q, s in self._parts.values())
+                   for q, s in self.parts.values())
 
     def __repr__(self) -> str:
         return f"QuantizedKVCache(length={self.length}, nbytes={self.nbytes()})"

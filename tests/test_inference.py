@@ -69,11 +69,10 @@ def test_quantized_cache_is_a_drop_in_and_smaller():
     assert caches[0].length == 20
     D, H_kv = model.config.head_dim, model.blocks[0].attn.n_kv_heads
     assert caches[0].nbytes() == 2 * 20 * H_kv * (D + 4)
-    assert caches[0].k.shape == (1, H_kv, 20, D)
+    q, scale = caches[0].parts["k"]
+    assert q.dtype == torch.int8 and q.shape == (1, H_kv, 20, D) and scale.shape == (1, H_kv, 20, 1)
     caches[0].reset()
-    assert caches[0].length == 0 and caches[0].k is None
-    with pytest.raises(AttributeError):  # filled through update(), never assigned
-        caches[0].k = torch.zeros(1)
+    assert caches[0].length == 0 and caches[0].nbytes() == 0
 
 
 def test_speculative_greedy_equals_target_greedy():
