@@ -7,7 +7,7 @@
 - one path per module, chosen at construction: no attribute or parameter named `fused`, and no
   `set_fused`, `set_window` or `cpu_kernels.apply` that rewire a model after it is built.
 
-Counted like /work/notes/measure.py: a statement is a line that starts with `raise ` or `check_…(`.
+A check statement is a line that starts with `raise ` or `check_…(`.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ CLASS_LINES, CLASS_EXCEPTIONS = 110, {"MultiHeadAttention": 60, "GPT": 120}
 REWIRING = {"set_fused", "set_window"}
 
 
-def _trees() -> list[tuple[Path, str, ast.Module]]:
-    return [(f, f.read_text(), ast.parse(f.read_text())) for f in FILES]
+def _trees() -> list[tuple[str, str, ast.Module]]:
+    return [(f.name, f.read_text(), ast.parse(f.read_text())) for f in FILES]
 
 
 def _lines(node: ast.AST) -> int:
@@ -39,9 +39,55 @@ def _fail(problems: list[str], header: str) -> None:
         pytest.fail(header + "\n  " + "\n  ".join(problems), pytrace=False)
 
 
+# The rules: each takes one file (name, source, syntax tree) and lists what breaks it.
+
+def checks_in(name: str, src: str, tree: ast.Module) -> int:
+    """raise/check_* statements in the file."""
+    return sum(bool(CHECK.match(line)) for line in src.splitlines())
+
+
+def checks_inside_forward(name: str, src: str, tree: ast.Module) -> list[str]:
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "forward":
+            body = src.splitlines()[node.lineno - 1:node.end_lineno]
+            bad += [f"{name}:{node.lineno + i} {line.strip()}" for i, line in enumerate(body)
+                    if CHECK.match(line)]
+    return bad
+
+
+def too_long(name: str, src: str, tree: ast.Module) -> list[str]:
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            limit = FUNCTION_EXCEPTIONS.get(node.name, FUNCTION_LINES)
+        elif isinstance(node, ast.ClassDef):
+            limit = CLASS_EXCEPTIONS.get(node.name, CLASS_LINES)
+        else:
+            continue
+        if _lines(node) > limit:
+            bad.append(f"{name}:{node.lineno} {node.name}: {_lines(node)} lines (at most {limit})")
+    return bad
+
+
+def switches(name: str, src: str, tree: ast.Module) -> list[str]:
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.arg == "fused":
+            bad.append(f"{name}:{node.lineno} parameter 'fused'")
+        elif isinstance(node, ast.Attribute) and node.attr == "fused":
+            bad.append(f"{name}:{node.lineno} attribute '.fused'")
+        elif isinstance(node, ast.FunctionDef) and (node.name in REWIRING or (
+                name == "cpu_kernels.py" and node.name == "apply")):
+            bad.append(f"{name}:{node.lineno} def {node.name}")
+        elif (isinstance(node, ast.Attribute) and node.attr == "apply"
+              and isinstance(node.value, ast.Name) and node.value.id == "cpu_kernels"):
+            bad.append(f"{name}:{node.lineno} cpu_kernels.apply")
+    return sorted(set(bad))
+
+
 def test_few_checks_in_all_of_lib():
-    per_file = {f.name: sum(bool(CHECK.match(line)) for line in f.read_text().splitlines())
-                for f in FILES}
+    per_file = {name: checks_in(name, src, tree) for name, src, tree in _trees()}
     total = sum(per_file.values())
     biggest = sorted(per_file.items(), key=lambda kv: -kv[1])[:8]
     assert total <= MAX_CHECKS, (f"{total} raise/check_* statements in lib (at most {MAX_CHECKS}); "
@@ -49,29 +95,12 @@ def test_few_checks_in_all_of_lib():
 
 
 def test_no_checks_inside_forward():
-    bad = []
-    for f, src, tree in _trees():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name == "forward":
-                body = src.splitlines()[node.lineno - 1:node.end_lineno]
-                bad += [f"{f.name}:{node.lineno + i} {line.strip()}" for i, line in enumerate(body)
-                        if CHECK.match(line)]
-    _fail(bad, "raise/check_* inside a forward (check where data enters instead):")
+    _fail([b for t in _trees() for b in checks_inside_forward(*t)],
+          "raise/check_* inside a forward (check where data enters instead):")
 
 
 def test_functions_and_classes_are_short():
-    bad = []
-    for f, _, tree in _trees():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                limit = FUNCTION_EXCEPTIONS.get(node.name, FUNCTION_LINES)
-            elif isinstance(node, ast.ClassDef):
-                limit = CLASS_EXCEPTIONS.get(node.name, CLASS_LINES)
-            else:
-                continue
-            if _lines(node) > limit:
-                bad.append(f"{f.name}:{node.lineno} {node.name}: {_lines(node)} lines (at most {limit})")
-    _fail(bad, "too long:")
+    _fail([b for t in _trees() for b in too_long(*t)], "too long:")
 
 
 def test_train_is_one_loop_without_a_helper_class():
@@ -82,28 +111,24 @@ def test_train_is_one_loop_without_a_helper_class():
 
 
 def test_no_path_switches_or_rewiring_after_construction():
-    bad = []
-    for f, _, tree in _trees():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.arg) and node.arg == "fused":
-                bad.append(f"{f.name}:{node.lineno} parameter 'fused'")
-            elif isinstance(node, ast.Attribute) and node.attr == "fused":
-                bad.append(f"{f.name}:{node.lineno} attribute '.fused'")
-            elif isinstance(node, ast.FunctionDef) and (node.name in REWIRING or (
-                    f.name == "cpu_kernels.py" and node.name == "apply")):
-                bad.append(f"{f.name}:{node.lineno} def {node.name}")
-            elif (isinstance(node, ast.Attribute) and node.attr == "apply"
-                  and isinstance(node.value, ast.Name) and node.value.id == "cpu_kernels"):
-                bad.append(f"{f.name}:{node.lineno} cpu_kernels.apply")
-    _fail(sorted(set(bad)), "path switches or post-construction rewiring (make it a GPTConfig field):")
+    _fail([b for t in _trees() for b in switches(*t)],
+          "path switches or post-construction rewiring (make it a GPTConfig field):")
 
 
 def test_the_shape_rules_catch_what_they_name():
-    """The counters above see a check in a forward, a long function and a `fused` switch."""
-    src = ("class M:\n    def forward(self, x, fused=False):\n        if x is None:\n"
-           "            raise ValueError('x')\n        check_int('n', 1)\n" + "        x = x\n" * 60)
-    tree = ast.parse(src)
-    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
-    assert _lines(fn) > FUNCTION_LINES
-    assert sum(bool(CHECK.match(line)) for line in src.splitlines()) == 2
-    assert any(isinstance(n, ast.arg) and n.arg == "fused" for n in ast.walk(tree))
+    """The rule functions above, run on a sample that breaks each rule, report it; run on a
+    clean sample, they report nothing."""
+    bad = ("class M:\n    def forward(self, x, fused=False):\n        if x is None:\n"
+           "            raise ValueError('x')\n        check_int('n', 1)\n" + "        x = x\n" * 60
+           + "        return self.fused\n\ndef set_window(m):\n    cpu_kernels.apply(m)\n")
+    sample = ("cpu_kernels.py", bad, ast.parse(bad))
+    assert checks_in(*sample) == 2
+    assert [b.split(" ", 1)[1] for b in checks_inside_forward(*sample)] == [
+        "raise ValueError('x')", "check_int('n', 1)"]
+    assert [b.split(" ", 1)[1] for b in too_long(*sample)] == ["forward: 65 lines (at most 50)"]
+    assert {b.split(" ", 1)[1] for b in switches(*sample)} == {
+        "parameter 'fused'", "attribute '.fused'", "def set_window", "cpu_kernels.apply"}
+    good = "class M:\n    def forward(self, x):\n        return x\n"
+    clean = ("model.py", good, ast.parse(good))
+    assert checks_in(*clean) == 0 and not checks_inside_forward(*clean)
+    assert not too_long(*clean) and not switches(*clean)
