@@ -205,7 +205,7 @@ def sft_loss(model: nn.Module, batch: Sequence[Example]) -> tuple[torch.Tensor, 
     """SFT's loss on a batch of examples: the mean cross-entropy over the targets that
     are not :data:`IGNORE` (the response tokens)."""
     inputs, targets = pad_batch(batch, model_device(model))
-    logits, _ = model(inputs)  # (B, T, V), in float32 for the loss
+    logits, _ = model(inputs)  # (B, T, V); the loss is taken in float32
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            ignore_index=IGNORE)
     return loss, {}

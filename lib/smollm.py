@@ -67,10 +67,18 @@ def _how_to_supply() -> str:
             f"{data.cache_dir() / 'models' / GGUF_NAME}")
 
 
+_VERIFIED: set[tuple[str, int, int, str]] = set()  # (file, size, mtime, sha256) seen to match
+
+
 def _verify(path: Path, sha256: str, what: str) -> Path:
-    """``path`` if its SHA-256 is ``sha256``, else a GGUFError saying what it is not."""
-    if data.sha256_file(path) != sha256:
-        raise GGUFError(f"wrong checksum: {what} (SHA-256 should be {sha256})")
+    """``path`` if its SHA-256 is ``sha256``, else a GGUFError saying what it is not. A
+    file is hashed once per process (again if its size or modification time changes)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, sha256)
+    if key not in _VERIFIED:
+        if data.sha256_file(path) != sha256:
+            raise GGUFError(f"wrong checksum: {what} (SHA-256 should be {sha256})")
+        _VERIFIED.add(key)
     return path
 
 

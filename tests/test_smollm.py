@@ -8,6 +8,7 @@ is loaded once for the module; prompts are short.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 
@@ -277,3 +278,19 @@ def test_unknown_architecture_and_missing_fields(smollm2_file):
     del metadata["llama.block_count"]
     with pytest.raises(GGUFError, match="llama.block_count"):
         config_from_gguf(metadata)
+
+
+def test_a_supplied_file_is_hashed_once_per_process_until_it_changes(tmp_path, monkeypatch):
+    fake = tmp_path / "supplied.gguf"
+    fake.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(smollm, "GGUF_SHA256", hashlib.sha256(fake.read_bytes()).hexdigest())
+    monkeypatch.setenv(smollm.ENV_VAR, str(fake))
+    calls = []
+    real = smollm.data.sha256_file
+    monkeypatch.setattr(smollm.data, "sha256_file", lambda p: calls.append(p) or real(p))
+    assert smollm2_gguf() == fake and smollm2_gguf() == fake
+    assert len(calls) == 1
+    fake.write_bytes(b"GGUF" + bytes(61))  # another file under the same name
+    with pytest.raises(GGUFError, match="wrong checksum"):
+        smollm2_gguf()
+    assert len(calls) == 2
