@@ -1,10 +1,10 @@
 """A KV cache stored in 8 bits: one int8 per number and one float32 scale per vector.
 
-Each new token reads the whole KV cache, so its size in bytes sets the speed of
-generation. :func:`quantize_int8` stores a vector ``x`` of ``D`` numbers as ``q =
-round(x / c)`` with ``c = max|x| / 127``; :class:`QuantizedKVCache` keeps keys and
-values that way (``D + 4`` bytes per vector instead of ``4 D``) and hands attention the
-dequantised tensors.
+Each new token reads the whole KV cache besides the weights, so at long contexts the
+cache's size in bytes weighs on the speed of generation. :func:`quantize_int8` stores a
+vector ``x`` of ``D`` numbers as ``q = round(x / c)`` with ``c = max|x| / 127``;
+:class:`QuantizedKVCache` keeps keys and values that way (``D + 4`` bytes per vector
+instead of ``4 D``) and hands attention the dequantised tensors.
 """
 from __future__ import annotations
 
