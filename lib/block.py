@@ -37,7 +37,8 @@ def make_ffn(config: GPTConfig) -> nn.Module:
     'gelu_tanh' or 'relu'), or a mixture of SwiGLU experts for ``ffn='moe'``."""
     if config.ffn == "moe":
         return MoE(config.d_model, config.d_ff, config.n_experts, config.moe_top_k,
-                   bias=config.bias, dropout=config.dropout, aux_weight=config.aux_weight)
+                   bias=config.bias, dropout=config.dropout,
+                   aux_weight=config.aux_weight)
     if config.ffn == "swiglu":
         return SwiGLU(config.d_model, config.d_ff, bias=config.bias,
                       dropout=config.dropout)
@@ -49,12 +50,13 @@ class TransformerBlock(nn.Module):
     """One pre-norm block: ``norm1``, ``attn``, ``norm2``, ``ffn``."""
 
     def __init__(self, config: GPTConfig, rope: RotaryEmbedding | None = None) -> None:
-        """``rope``: the model's RotaryEmbedding, shared by all its blocks; given exactly
-        when ``config.positions == 'rope'``."""
+        """``rope``: the model's RotaryEmbedding, shared by all its blocks; given
+        exactly when ``config.positions == 'rope'``."""
         super().__init__()
         if (rope is not None) != (config.positions == "rope"):
-            raise ValueError(f"rope must be given exactly when config.positions == 'rope'; "
-                             f"got positions={config.positions!r}, rope={rope!r}")
+            raise ValueError(f"rope must be given exactly when config.positions == "
+                             f"'rope'; got positions={config.positions!r}, "
+                             f"rope={rope!r}")
         self.norm1 = make_norm(config)
         attention = CPUMultiHeadAttention if config.cpu_kernels else MultiHeadAttention
         self.attn = attention(config.d_model, config.n_heads, config.n_kv_heads,
@@ -66,6 +68,6 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None
                 ) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> ``(B, T, C)``."""
+        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> same shape."""
         x = x + self.attn(self.norm1(x), offset, kv_cache)  # tokens share information
         return x + self.ffn(self.norm2(x))  # each token processed on its own

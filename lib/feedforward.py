@@ -3,7 +3,9 @@ mixture of SwiGLU experts.
 
 Each acts on every token independently: widen the vector from ``d_model`` to ``d_ff``,
 apply a non-linearity, project back to ``d_model``. The non-linearity sits in a
-submodule called ``act``, so a forward hook on ``.act`` captures the hidden activations.
+submodule called ``act``: in the two-matrix MLP a forward hook on ``.act`` captures the
+hidden activations; in SwiGLU it sees only the gate branch, and the hidden activations
+(what ``w_down`` reads) are its output times the up branch.
 """
 from __future__ import annotations
 
@@ -98,10 +100,11 @@ class _AuxLoss(torch.autograd.Function):
 
 
 def with_aux_loss(y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-    """``y`` itself, with ``aux`` (0-dim) attached to the backward pass: a ``backward()``
-    that reaches ``y`` adds the gradient of ``aux``, as if ``aux`` had been added to the
-    loss, whose value does not change. Megatron-LM (``MoEAuxLossAutoScaler``) and
-    DeepSeek's MoE models (``AddAuxiliaryLoss``) attach their balancing losses this way."""
+    """``y`` itself, with ``aux`` (0-dim) attached to the backward pass: a
+    ``backward()`` that reaches ``y`` adds the gradient of ``aux``, as if ``aux`` had
+    been added to the loss, whose value does not change. Megatron-LM
+    (``MoEAuxLossAutoScaler``) and DeepSeek's MoE models (``AddAuxiliaryLoss``) attach
+    their balancing losses this way."""
     return _AuxLoss.apply(y, aux)
 
 
@@ -125,7 +128,8 @@ class MoE(nn.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int,
-                 bias: bool = False, dropout: float = 0.0, aux_weight: float = 0.01) -> None:
+                 bias: bool = False, dropout: float = 0.0,
+                 aux_weight: float = 0.01) -> None:
         super().__init__()
         self.n_experts, self.top_k, self.d_model = n_experts, top_k, d_model
         self.aux_weight = aux_weight
@@ -151,11 +155,12 @@ class MoE(nn.Module):
             return probs, experts, top_p
         return probs, experts, top_p / top_p.sum(dim=-1, keepdim=True)
 
-    def balancing_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The Switch Transformer load-balancing loss ``n_experts * sum_e f_e P_e`` (0-dim)
-        of one routing (:meth:`route`): ``f_e`` the fraction of the (token, slot)
-        assignments that went to expert ``e``, ``P_e`` its mean router probability. Only
-        ``P_e`` carries a gradient."""
+    def balancing_loss(self, probs: torch.Tensor,
+                       experts: torch.Tensor) -> torch.Tensor:
+        """The Switch Transformer load-balancing loss ``n_experts * sum_e f_e P_e``
+        (0-dim) of one routing (:meth:`route`): ``f_e`` the fraction of the (token,
+        slot) assignments that went to expert ``e``, ``P_e`` its mean router
+        probability. Only ``P_e`` carries a gradient."""
         counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (E,)
         fraction = counts.float() / experts.numel()  # f_e, sums to 1
         return self.n_experts * (fraction * probs.mean(dim=0)).sum()
@@ -174,7 +179,8 @@ class MoE(nn.Module):
         self.expert_counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
         out = self.dropout(out.reshape(x.shape))
         if self.training:  # the balancing loss joins the gradient, not the output
-            out = with_aux_loss(out, self.aux_weight * self.balancing_loss(probs, experts))
+            aux = self.aux_weight * self.balancing_loss(probs, experts)
+            out = with_aux_loss(out, aux)
         return out
 
     def extra_repr(self) -> str:

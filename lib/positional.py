@@ -119,8 +119,8 @@ def check_rope_scaling(scaling: object) -> dict | None:
 
     - ``"linear"``: position interpolation (Chen et al. 2023), frequencies / ``factor``.
     - ``"ntk"``: the NTK-aware base change (bloc97, 2023), the base multiplied by
-      ``factor ** (D / (D - 2))``; Hugging Face's "dynamic" recomputes that base from
-      the current length at every call instead.
+      ``factor ** (D / (D - 2))``; Hugging Face's "dynamic" recomputes the base when a
+      sequence outgrows the longest seen (the original base below the original context).
     - ``"yarn"``: YaRN (Peng et al. 2023), needs ``original_max_position_embeddings``;
       optional ``beta_fast`` (32) and ``beta_slow`` (1) bound the blend
       (:func:`yarn_inv_freq`), plus an attention factor (:func:`rope_attention_factor`).
