@@ -187,8 +187,8 @@ class MultiHeadAttention(nn.Module):
 
     def mask(self, T: int, T_k: int, device: torch.device | str | None = None
              ) -> tuple[torch.Tensor | None, bool]:
-        """``(mask, causal)`` for ``T`` queries, the last of ``T_k`` positions: None
-        without a window (one new token sees all keys), else :func:`attention_mask`."""
+        """``(mask, causal)`` for the last ``T`` of ``T_k`` positions. With no window,
+        all new (causal) or one new needs no mask; else :func:`attention_mask`."""
         if self.window is None and T in (1, T_k):
             return None, T == T_k
         return attention_mask(T, T_k, self.window, self.sinks, device), False
