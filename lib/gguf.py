@@ -13,11 +13,20 @@ A GGUF file is four parts, in this order (all numbers little-endian):
 4. the data section, starting at the first multiple of ``general.alignment`` (default
    32) after the table.
 
-Quantised types store weights in blocks of 32 (``QK``): one float16 scale ``d`` (and,
-for Q4_1, a float16 minimum ``m``) followed by 32 small integer codes. A weight is ``d *
-q`` (Q8_0, 8-bit codes ``q`` in -128..127), ``d * (q - 8)`` (Q4_0) or ``d * q + m``
-(Q4_1), with 4-bit codes ``q`` in 0..15 packed two to a byte: the low nibbles hold
-weights 0-15 of the block, the high nibbles 16-31.
+Quantised types store weights in blocks. llama.cpp's legacy types (Q8_0, Q4_0, Q4_1)
+use blocks of 32 (``QK``): one float16 scale ``d`` (and, for Q4_1, a float16 minimum
+``m``) followed by 32 small integer codes. A weight is ``d * q`` (Q8_0, 8-bit codes ``q``
+in -128..127), ``d * (q - 8)`` (Q4_0) or ``d * q + m`` (Q4_1), with 4-bit codes ``q`` in
+0..15 packed two to a byte: the low nibbles hold weights 0-15 of the block, the high
+nibbles 16-31.
+
+The k-quants (Q2_K to Q6_K; a "Q4_K_M" file mostly mixes Q4_K and Q6_K) use
+super-blocks of 256 (``QK_K``) weights: one or two float16 numbers for the whole
+super-block, and per sub-block of 16 or 32 weights a scale (and a minimum) stored as a
+small integer code of 4 to 8 bits. A weight is ``d * sc * q - dmin * m`` (Q2_K, Q4_K,
+Q5_K) or ``d * sc * q`` with signed ``sc`` and ``q`` (Q3_K, Q6_K), its code ``q`` of 2
+to 6 bits packed bit plane by bit plane (:func:`unpack_scales_mins` shows how Q4_K and
+Q5_K pack their 6-bit scales and mins).
 
 - :func:`read_gguf` reads parts 1-3 into a :class:`GGUFFile` (metadata and tensor table,
   checked);
@@ -46,7 +55,8 @@ from lib.checks import torch_threads
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-QK = 32  # weights per quantisation block
+QK = 32  # weights per block of the legacy types
+QK_K = 256  # weights per super-block of the k-quants
 
 # ggml's storage types lib reads: type id -> (name, weights per block, bytes per block).
 GGML_TYPES = {
@@ -55,17 +65,17 @@ GGML_TYPES = {
     2: ("Q4_0", QK, 2 + QK // 2),
     3: ("Q4_1", QK, 4 + QK // 2),
     8: ("Q8_0", QK, 2 + QK),
+    10: ("Q2_K", QK_K, 84),  # 16 scale/min bytes, 64 bytes of 2-bit codes, d, dmin
+    11: ("Q3_K", QK_K, 110),  # 32 high-bit bytes, 64 of 2-bit codes, 12 scale bytes, d
+    12: ("Q4_K", QK_K, 144),  # d, dmin, 12 scale/min bytes, 128 bytes of 4-bit codes
+    13: ("Q5_K", QK_K, 176),  # d, dmin, 12 scale/min bytes, 32 high-bit bytes, 128 low
+    14: ("Q6_K", QK_K, 210),  # 128 bytes of low 4 bits, 64 of high 2 bits, 16 scales, d
 }
 TYPE_IDS = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 # Names of ggml's other types, only for error messages (lib does not read them).
 _OTHER_TYPES = {
     6: "Q5_0",
     7: "Q5_1",
-    10: "Q2_K",
-    11: "Q3_K",
-    12: "Q4_K",
-    13: "Q5_K",
-    14: "Q6_K",
     15: "Q8_K",
     30: "BF16",
 }
@@ -274,31 +284,114 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).float()
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """(n, 16) bytes -> (n, 32) codes 0..15: low nibbles are weights 0-15, high ones
-    16-31."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of ``bits`` bits packed bit plane by bit plane: (..., L) bytes -> (..., 8 /
+    bits * L) codes. The lowest ``bits`` bits of the L bytes come first, then the next
+    ``bits`` bits of the same bytes, and so on (for 4 bits: low nibbles, then high)."""
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks (n, 34) -> weights (n, 32): ``d * q``, 8-bit signed codes ``q``."""
+    """Q8_0 blocks (n, 34) -> weights (n, 32): ``d * q``, 8-bit signed codes ``q``
+    (one of llama.cpp's legacy types)."""
     d = _f16(blocks[:, :2])  # (n, 1)
     q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n, 32) in -128..127
     return q * d
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks (n, 18) -> weights (n, 32): ``d * (q - 8)``, 4-bit codes ``q``."""
+    """Q4_0 blocks (n, 18) -> weights (n, 32): ``d * (q - 8)``, 4-bit codes ``q`` (one
+    of llama.cpp's legacy types)."""
     d = _f16(blocks[:, :2])
-    q = _nibbles(blocks[:, 2:]).float() - 8  # (n, 32) in -8..7
+    q = _unpack(blocks[:, 2:], 4).float() - 8  # (n, 32) in -8..7
     return d * q
 
 
 def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks (n, 20) -> weights (n, 32): ``d * q + m`` with 4-bit codes ``q``."""
+    """Q4_1 blocks (n, 20) -> weights (n, 32): ``d * q + m`` with 4-bit codes ``q`` (one
+    of llama.cpp's legacy types)."""
     d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])  # scale and minimum, (n, 1) each
-    q = _nibbles(blocks[:, 4:]).float()  # (n, 32) in 0..15
+    q = _unpack(blocks[:, 4:], 4).float()  # (n, 32) in 0..15
     return d * q + m
+
+
+def unpack_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 scales and 8 mins of a Q4_K or Q5_K super-block, 6 bits each, from the 12
+    bytes they are packed into (llama.cpp's ``get_scale_min_k4``): (n, 12) uint8 -> two
+    (n, 8) tensors of codes 0..63.
+
+    16 codes of 6 bits are 96 bits, exactly 12 bytes. Scales 0-3 fill the low 6 bits of
+    bytes 0-3 and mins 0-3 those of bytes 4-7. Scales and mins 4-7 are split: their low
+    4 bits are the low and high nibbles of bytes 8-11, their top 2 bits the two bits
+    left over at the top of bytes 0-3 (scales) and 4-7 (mins). Bit 7 on the left::
+
+        bytes 0-3    s4..s7 bits 5-4 | s0..s3
+        bytes 4-7    m4..m7 bits 5-4 | m0..m3
+        bytes 8-11   m4..m7 bits 3-0 | s4..s7 bits 3-0
+    """
+    s, m, low = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([s & 63, (low & 15) | (s >> 6) << 4], dim=1)
+    mins = torch.cat([m & 63, (low >> 4) | (m >> 6) << 4], dim=1)
+    return scales, mins
+
+
+def dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q2_K super-blocks (n, 84) -> weights (n, 256): 16 sub-blocks of 16 weights, each
+    ``d * sc * q - dmin * m`` with 2-bit codes ``q`` and 4-bit ``sc`` (low nibble) and
+    ``m`` (high nibble) in one byte per sub-block."""
+    sc_m, d, dmin = blocks[:, :16], _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    q = _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)
+    scale, low = (d * (sc_m & 15)).unsqueeze(2), (dmin * (sc_m >> 4)).unsqueeze(2)
+    return (scale * q - low).reshape(-1, QK_K)
+
+
+def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K super-blocks (n, 110) -> weights (n, 256): 16 sub-blocks of 16 weights, each
+    ``d * (sc - 32) * (q - 4)``. The 3-bit code ``q`` is 2 low bits plus a high bit kept
+    apart (bit k of byte l belongs to weight 32k + l); the 6-bit ``sc`` is a low nibble
+    (bytes 96-103) plus 2 high bits (bytes 104-107)."""
+    high = _unpack(blocks[:, :32], 1).reshape(-1, 16, 16)
+    low = _unpack(blocks[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 16, 16)
+    sc = _unpack(blocks[:, 96:104], 4) | _unpack(blocks[:, 104:108], 2) << 4  # (n, 16)
+    d = _f16(blocks[:, 108:110])
+    q = (low | high << 2).float() - 4  # (n, 16, 16) in -4..3
+    return ((d * (sc.float() - 32)).unsqueeze(2) * q).reshape(-1, QK_K)
+
+
+def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks (n, 144) -> weights (n, 256): 8 sub-blocks of 32 weights, each
+    ``d * sc * q - dmin * m`` with 4-bit codes ``q`` and 6-bit ``sc``, ``m``
+    (:func:`unpack_scales_mins`). Each 32 bytes of codes hold two sub-blocks: low
+    nibbles, then high."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, m = unpack_scales_mins(blocks[:, 4:16])  # (n, 8) each
+    q = _unpack(blocks[:, 16:].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
+    return ((d * sc).unsqueeze(2) * q - (dmin * m).unsqueeze(2)).reshape(-1, QK_K)
+
+
+def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K super-blocks (n, 176) -> weights (n, 256): as Q4_K, with a fifth bit per code
+    kept apart (bit k of byte l of bytes 16-47 belongs to weight 32k + l)."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, m = unpack_scales_mins(blocks[:, 4:16])
+    high = _unpack(blocks[:, 16:48], 1).reshape(-1, 8, 32)
+    low = _unpack(blocks[:, 48:].reshape(-1, 4, 32), 4).reshape(-1, 8, 32)
+    q = low | high << 4  # (n, 8, 32) in 0..31
+    return ((d * sc).unsqueeze(2) * q - (dmin * m).unsqueeze(2)).reshape(-1, QK_K)
+
+
+def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks (n, 210) -> weights (n, 256): 16 sub-blocks of 16 weights, each
+    ``d * sc * (q - 32)`` with 8-bit signed scales ``sc`` and 6-bit codes ``q``. Per half
+    of 128 weights, 64 bytes hold the low 4 bits (low nibbles, then high) and 32 bytes
+    the top 2 bits (bits 2k+1..2k of byte l belong to weight 32k + l)."""
+    low = _unpack(blocks[:, :128].reshape(-1, 2, 64), 4)  # (n, 2, 128)
+    high = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), 2)  # (n, 2, 128)
+    q = (low | high << 4).float().reshape(-1, 16, 16) - 32  # in -32..31
+    sc = blocks[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16)
+    d = _f16(blocks[:, 208:210])
+    return ((d * sc).unsqueeze(2) * q).reshape(-1, QK_K)
 
 
 _DEQUANTIZE = {
@@ -307,14 +400,20 @@ _DEQUANTIZE = {
     "Q8_0": dequantize_q8_0,
     "Q4_0": dequantize_q4_0,
     "Q4_1": dequantize_q4_1,
+    "Q2_K": dequantize_q2_k,
+    "Q3_K": dequantize_q3_k,
+    "Q4_K": dequantize_q4_k,
+    "Q5_K": dequantize_q5_k,
+    "Q6_K": dequantize_q6_k,
 }
 
 
 def dequantize(
     raw: torch.Tensor, type_name: str, shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """A tensor's raw bytes (1-D uint8) stored as ``type_name`` -> float32 of ``shape``.
-    """
+    """A tensor's raw bytes (1-D uint8) stored as ``type_name`` (one of ``TYPE_IDS``:
+    F32, F16, the legacy Q8_0/Q4_0/Q4_1 and the k-quants Q2_K-Q6_K) -> float32 of
+    ``shape``."""
     if type_name not in TYPE_IDS:
         raise ValueError(
             f"type_name must be one of {sorted(TYPE_IDS)}, got {type_name!r}"

