@@ -647,14 +647,13 @@ def _encode_with_spans(bpe: BPETokenizer, text: str) -> tuple[list[int], list[tu
         chunk, at = match.group(), match.start()
         data = chunk.encode()
         char_of_byte = [k for k, c in enumerate(chunk) for _ in c.encode()]
-        pos = 0
+        kept = [k for k, b in enumerate(data) if bpe.byte_ids[b] is not None]  # bytes with a token
+        pos = 0  # the tokens hold the kept bytes in order
         for i in encode_chunk(data, bpe.byte_ids, bpe.merges):
-            while bpe.byte_ids[data[pos]] is None:
-                pos += 1  # a byte without a token, dropped by encode_chunk
-            end = pos + len(bpe.vocab[i])
+            first, last = kept[pos], kept[pos + len(bpe.vocab[i]) - 1]
             ids.append(i)
-            spans.append((at + char_of_byte[pos], at + char_of_byte[end - 1] + 1))
-            pos = end
+            spans.append((at + char_of_byte[first], at + char_of_byte[last] + 1))
+            pos += len(bpe.vocab[i])
     return ids, spans
 
 

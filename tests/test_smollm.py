@@ -26,6 +26,7 @@ from lib.gguf import GGUFError
 from lib.config import GPTConfig
 from lib.model import GPT
 from lib.pretrained import fill, rename
+from lib import tokenizers
 from lib.tokenizers import ChatTokenizer
 from lib.smollm import (config_from_gguf, from_gguf, smollm2_gguf, tokenizer_from_gguf,
                         unpermute_rope_rows)
@@ -132,6 +133,19 @@ def test_token_ids_equal_smollm2s_rust_pipeline(ours, rust, text):
     assert tokenizer.decode(ids) == rust.decode(ids, skip_special_tokens=False)
     if None not in [tokenizer.bpe.byte_ids[b] for b in text.encode()]:
         assert tokenizer.decode(ids) == text  # a byte without a token is dropped
+
+
+def test_token_spans_equal_rust_offsets(ours, rust):
+    """The character spans behind the assistant mask (lib.tokenizers._encode_with_spans)
+    equal the Rust tokenizer's offsets, special tokens' text read as ordinary text."""
+    rust.encode_special_tokens = True
+    try:
+        for text in TEXTS + DIGIT_TEXTS:
+            ids, spans = tokenizers._encode_with_spans(ours[1].bpe, text)
+            theirs = rust.encode(text, add_special_tokens=False)
+            assert ids == theirs.ids and spans == theirs.offsets, text
+    finally:
+        rust.encode_special_tokens = False
 
 
 def test_the_digit_texts_need_the_digit_rule(smollm2_file, ours, rust):
