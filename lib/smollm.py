@@ -205,8 +205,9 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> ChatTokenizer:
     value raises). SmolLM2's ``"smollm"`` is its ``tokenizer.json``'s rule (llama.cpp's
     too): every digit is split off on its own first, then GPT-2's pattern splits the text
     between digits (:data:`lib.tokenizers.SMOLLM_SPLIT_PATTERN`). GPT-2's pattern alone
-    differs on a run of spaces or newlines before a digit (``"\n\n1."``, indented numbers,
-    aligned tables), where it leaves the last space or newline to stand alone.
+    differs on a run of spaces or newlines before a digit (``"\\n\\n1."``, indented numbers,
+    aligned tables): it splits the run's last character off, so the model would get token
+    sequences it was not trained on.
     """
     if _meta(metadata, "tokenizer.ggml.model") != "gpt2":
         raise GGUFError(f"tokenizer.ggml.model is {metadata['tokenizer.ggml.model']!r}; "

@@ -37,8 +37,8 @@ GPT4_SPLIT_PATTERN = (
 # SmolLM2's pre-split (its tokenizer.json: Digits(individual_digits=True), then ByteLevel's GPT-2 regex;
 # llama.cpp calls it "smollm"): every digit (Unicode category N) is a chunk of its own, and GPT-2's
 # pattern runs on the text between digits. Written as one pattern: a digit ends the text GPT-2's
-# pattern sees, so a whitespace run before a digit stays whole (its lookahead treats a digit like the
-# end of the text) instead of leaving its last space for the digit.
+# pattern sees, so a whitespace run before a digit stays one chunk (the lookahead treats a digit like
+# the end of the text), where GPT-2's pattern splits the run's last character off.
 SMOLLM_SPLIT_PATTERN = (r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+"""
                         r"""|\s+(?![^\s\p{N}])|\s+""")
 
