@@ -5,9 +5,10 @@ A chat model reads a conversation in the format it was tuned on (ChatML for Smol
 ``<|im_end|>``. Two steps teach that behaviour on top of a pretrained model:
 
 - **Supervised fine-tuning (SFT):** next-token cross-entropy on example answers, with the
-  prompt's tokens left out of the loss (their targets are :data:`IGNORE`), so the model
+  other tokens left out of the loss (their targets are :data:`IGNORE`), so the model
   learns to write answers, not to predict questions. :func:`sft_example` builds one
-  example, :func:`sft_loss` is the loss and :func:`sft` trains with it.
+  example (every assistant turn of a conversation learned), :func:`sft_loss` is the loss
+  and :func:`sft` trains with it.
 - **Direct preference optimisation** (DPO, Rafailov et al. 2023): from pairs of a
   preferred and a rejected answer to the same prompt, raise the log-probability ratio
   ``log pi(y) / pi_ref(y)`` of the preferred answer against that of the rejected one.
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lib.checks import check_int, check_number, check_type, eval_mode, model_device
+from lib.tokenizers import ChatTokenizer
 
 __all__ = ["IGNORE", "sft_example", "pad_batch", "sequence_logprobs",
            "response_logprobs", "token_kl", "UpperBlocks", "lower_states",
@@ -40,26 +42,31 @@ Example = tuple[torch.Tensor, torch.Tensor]  # (inputs (T,), targets (T,))
 LossFn = Callable[[nn.Module, list], tuple[torch.Tensor, dict]]
 
 
-def sft_example(tokenizer, messages: Sequence[Mapping[str, str]], response: str,
-                mask_prompt: bool = True) -> Example:
-    """``(inputs, targets)`` for one conversation: the chat-formatted ``messages`` with
-    the assistant's turn opened, then ``response`` and the end-of-turn token.
+def sft_example(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, str]],
+                response: str | None = None, mask_prompt: bool = True) -> Example:
+    """``(inputs, targets)`` for one conversation: ``messages`` (with ``response`` as one
+    more assistant message when it is given), rendered by the chat template and tokenised
+    once, up to the end-of-turn token of the last assistant message.
 
-    ``targets`` is ``inputs`` shifted by one; with ``mask_prompt`` every target inside
-    the prompt is :data:`IGNORE`, so only the response and its end token are learned.
-    ``tokenizer`` is a :class:`lib.tokenizers.ChatTokenizer` with an ``eos_id``.
+    ``targets`` is ``inputs`` shifted by one. With ``mask_prompt`` every target outside
+    the assistant turns is :data:`IGNORE`: each assistant message's tokens and its
+    end-of-turn token are learned, in every turn of a multi-turn conversation (TRL's
+    ``assistant_only_loss``), the rest only read (see
+    :meth:`lib.tokenizers.ChatTokenizer.encode_with_assistant_mask`).
     """
-    if getattr(tokenizer, "eos_id", None) is None:
-        raise ValueError("tokenizer must be a ChatTokenizer with an eos_id (the "
-                         "end-of-turn token)")
-    if not isinstance(response, str) or not response:
-        raise ValueError(f"response must be a non-empty str, got {response!r}")
-    prompt = tokenizer.encode_chat(messages)
-    answer = tokenizer.encode(response) + [tokenizer.eos_id]
-    ids = torch.tensor(prompt + answer)
+    check_type("tokenizer", tokenizer, ChatTokenizer)
+    if response is not None:
+        if not isinstance(response, str) or not response:
+            raise ValueError(f"response must be None or a non-empty str, got {response!r}")
+        messages = [*messages, {"role": "assistant", "content": response}]
+    ids, mask = tokenizer.encode_with_assistant_mask(messages)
+    if not any(mask):
+        raise ValueError("messages must hold an assistant message (or give a response)")
+    end = len(mask) - mask[::-1].index(True)  # just after the last assistant token
+    ids, learned = torch.tensor(ids[:end]), torch.tensor(mask[1:end])
     inputs, targets = ids[:-1], ids[1:].clone()
     if mask_prompt:
-        targets[:len(prompt) - 1] = IGNORE  # the targets that are prompt tokens
+        targets[~learned] = IGNORE
     return inputs, targets
 
 

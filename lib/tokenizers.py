@@ -17,6 +17,7 @@ import heapq
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -33,6 +34,13 @@ GPT4_SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
+# SmolLM2's pre-split (its tokenizer.json: Digits(individual_digits=True), then ByteLevel's GPT-2 regex;
+# llama.cpp calls it "smollm"): every digit (Unicode category N) is a chunk of its own, and GPT-2's
+# pattern runs on the text between digits. Written as one pattern: a digit ends the text GPT-2's
+# pattern sees, so a whitespace run before a digit stays one chunk (the lookahead treats a digit like
+# the end of the text), where GPT-2's pattern splits the run's last character off.
+SMOLLM_SPLIT_PATTERN = (r"""\p{N}|'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?[^\s\p{L}\p{N}]+"""
+                        r"""|\s+(?![^\s\p{N}])|\s+""")
 
 _FORMAT = "gptbook-bpe"
 _FORMAT_VERSION = 1
@@ -459,33 +467,93 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+# transformers' markers around a special token's text written inside a message (characters of a
+# private-use plane): a marked one is spelled out as ordinary text, never turned into its id.
+_MARK_START, _MARK_END = "\U000f0000", "\U000f0001"
+_PROBE = "\U000f0002"  # an assistant message's text, to see what the template writes after it
+
+
+def compile_chat_template(source: str) -> Any:
+    """A chat template compiled as ``transformers`` compiles one: in Jinja's sandbox, with
+    ``trim_blocks`` and ``lstrip_blocks`` (a block tag's own line break and indentation are not
+    output), ``{% break %}`` and ``{% continue %}``, ``{% generation %}`` blocks (TRL's marks around
+    assistant text; the body renders as it is), ``raise_exception(message)``, ``strftime_now(format)``
+    and a ``tojson`` filter that writes non-ASCII characters and ``<>&'`` as they are."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list:
+            next(parser.stream)  # the tag's name
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, Generation])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
+
+
+def _checked_messages(messages: Any) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
+    return [dict(m) for m in messages]
+
+
 class ChatTokenizer:
     """A :class:`BPETokenizer` plus special tokens and a chat template, as chat models ship.
 
-    ``special`` maps each special token's text (``'<|im_start|>'``) to its id. :meth:`encode` finds
-    special tokens in the text first and encodes the text between them with ``bpe``;
-    :meth:`decode` writes special tokens back as their text. ``chat_template`` is the model's
-    Jinja template (rendered in a sandbox by :meth:`apply_chat_template`).
+    ``special`` maps each special token's text (``'<|im_start|>'``) to its id. :meth:`encode` cuts
+    them out of text you trust (a rendered template) and encodes the rest with ``bpe``;
+    :meth:`encode_ordinary` encodes text you do not trust, in which they are ordinary text.
+    ``chat_template`` (Jinja) renders as in ``transformers`` (:func:`compile_chat_template`;
+    ``bos_token``/``eos_token`` are the texts of ``bos_id``/``eos_id``), and :meth:`encode_chat`
+    spells out special tokens' text inside messages. ``end_of_turn_id`` is the special token the
+    template writes after an assistant message (``<|im_end|>`` in ChatML; else ``eos_id``): answers
+    end there, whatever the file's ``eos_id`` (a base model's is ``<|endoftext|>``).
     """
 
     def __init__(self, bpe: BPETokenizer, special: Mapping[str, int],
-                 chat_template: str | None = None, eos_id: int | None = None) -> None:
-        if not isinstance(bpe, BPETokenizer):
-            raise TypeError(f"bpe must be a BPETokenizer, got {type(bpe).__name__}")
+                 chat_template: str | None = None, eos_id: int | None = None,
+                 bos_id: int | None = None) -> None:
+        if not isinstance(bpe, BPETokenizer) or not isinstance(chat_template, (str, type(None))):
+            raise TypeError(f"bpe must be a BPETokenizer and chat_template None or a str (Jinja), "
+                            f"got {type(bpe).__name__} and {type(chat_template).__name__}")
         if not isinstance(special, Mapping) or not all(
-                isinstance(t, str) and t and isinstance(i, int) and i >= 0
-                for t, i in special.items()):
+                isinstance(t, str) and t and _is_int(i) and i >= 0 for t, i in special.items()):
             raise ValueError("special must map non-empty token texts to non-negative int ids")
         clash = sorted(i for i in special.values() if i in bpe.vocab)
         if clash or len(set(special.values())) != len(special):
             raise ValueError(f"special token ids must be distinct and unused by bpe, got {clash}")
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TypeError("chat_template must be None or a str (a Jinja template)")
         self.bpe, self.special = bpe, dict(special)
         self.special_text = {i: t.encode("utf-8") for t, i in special.items()}
-        self.chat_template, self.eos_id = chat_template, eos_id
-        longest_first = sorted(special, key=len, reverse=True)
-        self._special_re = regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")")
+        if not all(i is None or (_is_int(i) and (i in bpe.vocab or i in self.special_text))
+                   for i in (eos_id, bos_id)):
+            raise ValueError(f"eos_id and bos_id must be None or ids in the vocabulary, got "
+                             f"{eos_id!r} and {bos_id!r}")
+        self.chat_template, self.eos_id, self.bos_id = chat_template, eos_id, bos_id
+        tokens = "|".join(map(regex.escape, sorted(special, key=len, reverse=True))) or "(?!)"
+        self._special_re = regex.compile(f"({tokens})")
+        # In a rendered chat: a special token's text that was inside a message (marked, group 1),
+        # one the template wrote (group 2), or a marker left alone by the template's string methods.
+        self._marked_re = regex.compile(f"{_MARK_START}({tokens}){_MARK_END}|({tokens})"
+                                        f"|[{_MARK_START}{_MARK_END}]")
+        self._template = None if chat_template is None else compile_chat_template(chat_template)
+        self.end_of_turn_id: int | None = _end_of_turn_id(self)
 
     @property
     def vocab_size(self) -> int:
@@ -494,14 +562,18 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``; special tokens written in it become their single ids."""
-        _check_text(text)
         out: list[int] = []
-        for k, piece in enumerate(self._special_re.split(text) if self.special else [text]):
+        for k, piece in enumerate(self._special_re.split(_check_text(text))):
             if k % 2:  # split() puts the matched special tokens at odd positions
                 out.append(self.special[piece])
             elif piece:
                 out.extend(self.bpe.encode(piece))
         return out
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids of untrusted ``text``: a special token's text in it is encoded as ordinary text
+        (``<|im_end|>`` as ``<``, ``|``, ``im``, ...), never as the special token."""
+        return self.bpe.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens included; invalid UTF-8 becomes U+FFFD."""
@@ -514,22 +586,124 @@ class ChatTokenizer:
                             add_generation_prompt: bool = True) -> str:
         """The conversation as the model was trained to read it, e.g. ChatML:
         ``<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n``."""
-        if self.chat_template is None:
+        return self._render(messages, add_generation_prompt, mark=False)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Ids of :meth:`apply_chat_template`, a special token's text inside a message spelled
+        out (on its own, as ``transformers``' ``sanitize_control_tokens=True`` does it)."""
+        return _encode_rendered(self, self._render(messages, add_generation_prompt))[0]
+
+    def encode_with_assistant_mask(self, messages: Sequence[Mapping[str, str]]
+                                   ) -> tuple[list[int], list[bool]]:
+        """The ids of a whole conversation (:meth:`encode_chat`, no generation prompt) and, for
+        each, whether it is in an assistant turn: from where the conversation before the turn
+        ends when rendered with the generation prompt, to the end-of-turn token (the template
+        must render a conversation's beginning the same whatever follows, as ChatML does)."""
+        messages = _checked_messages(messages)
+        whole = self._render(messages, False)
+        turns = [_assistant_turn(self, messages, k, whole) for k, m in enumerate(messages)
+                 if m["role"] == "assistant"]
+        ids, spans = _encode_rendered(self, whole)
+        return ids, [any(a < end and b > start for start, end in turns) for a, b in spans]
+
+    def _render(self, messages: Any, add_generation_prompt: bool, mark: bool = True) -> str:
+        """The template's text for ``messages``; with ``mark``, a special token's text inside
+        a message is wrapped in the markers (any already there are dropped)."""
+        if self._template is None:
             raise ValueError("this tokenizer has no chat_template")
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not all(
-                isinstance(m, Mapping) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
-        return template.render(messages=[dict(m) for m in messages],
-                               add_generation_prompt=bool(add_generation_prompt))
-
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Ids of :meth:`apply_chat_template` (with the prompt for the assistant's answer)."""
-        return self.encode(self.apply_chat_template(messages))
+        messages = _checked_messages(messages)
+        if mark:
+            messages = [{key: _mark(value, self._special_re) for key, value in m.items()}
+                        for m in messages]
+        named = {name: self.decode([i]) for name, i in (("bos_token", self.bos_id),
+                                                       ("eos_token", self.eos_id)) if i is not None}
+        return self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=bool(add_generation_prompt), **named)
 
     def __repr__(self) -> str:
         return (f"ChatTokenizer(vocab_size={self.vocab_size}, merges={len(self.bpe.merges)}, "
                 f"special={len(self.special)})")
+
+
+# The chat pieces behind ChatTokenizer's methods.
+
+def _mark(value: Any, special_re: regex.Pattern) -> Any:
+    """A message's string with each special token's text in it wrapped in the markers (any
+    markers already in it dropped first, so that none can be forged); other values as they are."""
+    if not isinstance(value, str):
+        return value
+    value = value.replace(_MARK_START, "").replace(_MARK_END, "")
+    return special_re.sub(lambda m: _MARK_START + m.group() + _MARK_END, value)
+
+
+def _encode_with_spans(bpe: BPETokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """``bpe.encode(text)`` and, for each id, the characters it covers: ``(start, end)`` such
+    that ``text[start:end]`` holds its bytes (a character split over two tokens is in both)."""
+    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # as encode does
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for match in bpe._regex.finditer(text):
+        chunk, at = match.group(), match.start()
+        data = chunk.encode()
+        char_of_byte = [k for k, c in enumerate(chunk) for _ in c.encode()]
+        kept = [k for k, b in enumerate(data) if bpe.byte_ids[b] is not None]  # bytes with a token
+        pos = 0  # the tokens hold the kept bytes in order
+        for i in encode_chunk(data, bpe.byte_ids, bpe.merges):
+            first, last = kept[pos], kept[pos + len(bpe.vocab[i]) - 1]
+            ids.append(i)
+            spans.append((at + char_of_byte[first], at + char_of_byte[last] + 1))
+            pos += len(bpe.vocab[i])
+    return ids, spans
+
+
+def _encode_rendered(tok: ChatTokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids of a marked rendering (``ChatTokenizer._render``) and the characters each covers:
+    the template's special tokens become their ids, the marked ones are spelled out on their
+    own, and the text between them is encoded by ``tok.bpe``."""
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+
+    def add(piece: str, at: int) -> None:
+        piece_ids, piece_spans = _encode_with_spans(tok.bpe, piece)
+        ids.extend(piece_ids)
+        spans.extend((at + a, at + b) for a, b in piece_spans)
+
+    pos = 0
+    for match in tok._marked_re.finditer(text):
+        add(text[pos:match.start()], pos)
+        if match.group(1):
+            add(match.group(1), match.start(1))
+        elif match.group(2):
+            ids.append(tok.special[match.group(2)])
+            spans.append(match.span())
+        pos = match.end()
+    add(text[pos:], pos)
+    return ids, spans
+
+
+def _assistant_turn(tok: ChatTokenizer, messages: list[dict], k: int,
+                    whole: str) -> tuple[int, int]:
+    """Where assistant message ``k`` and its end-of-turn token lie in ``whole``, the marked
+    rendering of ``messages``: from the end of the conversation before it (rendered with the
+    generation prompt) to the end of the first end-of-turn token the template writes."""
+    head, upto = tok._render(messages[:k], True), tok._render(messages[:k + 1], False)
+    if not (whole.startswith(head) and whole.startswith(upto)):
+        raise ValueError(f"the chat template renders the conversation before message {k} "
+                         f"differently when more follows, so its assistant turns cannot be found")
+    for match in tok._marked_re.finditer(whole, len(head), len(upto)):
+        if match.group(2) and tok.special[match.group(2)] == tok.end_of_turn_id:
+            return len(head), match.end()
+    raise ValueError(f"assistant message {k} is not followed by the end-of-turn token "
+                     f"(end_of_turn_id={tok.end_of_turn_id})")
+
+
+def _end_of_turn_id(tok: ChatTokenizer) -> int | None:
+    """The first special token ``tok``'s template writes after an assistant message's text;
+    ``tok.eos_id`` when it has no template or writes none."""
+    if tok._template is None:
+        return tok.eos_id
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+    text = tok._render(probe, False)
+    after = tok._special_re.search(text, text.rfind(_PROBE) + 1) if _PROBE in text else None
+    return tok.special[after.group()] if after else tok.eos_id

@@ -1,8 +1,8 @@
 """lib.posttrain against written-out references: the masked SFT loss against
 F.cross_entropy and a float64 mean, DPO's loss and gradient against the paper's formula
-in float64, padding against unpadded rows, the example layout against transformers'
-rendering of SmolLM2's own chat template; the loops train what they should and name
-bad arguments."""
+in float64, padding against unpadded rows, the example layout written out by hand and,
+on SmolLM2's multi-turn chats, against transformers' assistant mask; the loops train what
+they should and name bad arguments."""
 from __future__ import annotations
 
 import math
@@ -41,32 +41,81 @@ def question(k: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"q{k}?"}]
 
 
-def test_example_layout_masks_exactly_the_prompt():
+def test_example_layout_written_out_by_hand():
+    """Bytes are ids 0-255 here, so the whole conversation can be written out: every
+    assistant message and its <|im_end|> (257) are learned, in both turns; the user turns,
+    the headers and the "\\n" between turns are read only; the example stops at the last
+    <|im_end|>."""
     tok = tokenizer()
-    inputs, targets = sft_example(tok, question(1), "yes")
-    prompt = tok.encode_chat(question(1))
-    full = tok.encode(tok.apply_chat_template(
-        question(1) + [{"role": "assistant", "content": "yes"}],
-        add_generation_prompt=False))
-    assert inputs.tolist() + [targets[-1].item()] == full[:-1]  # all but the last "\n"
-    kept = targets[targets != IGNORE].tolist()
-    assert kept == tok.encode("yes") + [tok.eos_id]
-    assert (targets[:len(prompt) - 1] == IGNORE).all()
-    _, unmasked = sft_example(tok, question(1), "yes", mask_prompt=False)
-    assert unmasked.tolist() == full[1:-1]
+    S, E = [256], [257]
+    chat = [{"role": "user", "content": "q1?"}, {"role": "assistant", "content": "yes"},
+            {"role": "user", "content": "q2?"}, {"role": "assistant", "content": " no"}]
+    read = [S + list(b"user\nq1?") + E + list(b"\n") + S + list(b"assistant\n"),
+            list(b"\n") + S + list(b"user\nq2?") + E + list(b"\n") + S + list(b"assistant\n")]
+    learned = [list(b"yes") + E, list(b" no") + E]
+    ids = read[0] + learned[0] + read[1] + learned[1]
+    is_learned = ([False] * len(read[0]) + [True] * len(learned[0])
+                  + [False] * len(read[1]) + [True] * len(learned[1]))
+    inputs, targets = sft_example(tok, chat)
+    assert inputs.tolist() == ids[:-1]
+    assert targets.tolist() == [i if keep else IGNORE for i, keep in zip(ids[1:], is_learned[1:])]
+    _, everything = sft_example(tok, chat, mask_prompt=False)
+    assert everything.tolist() == ids[1:]
+    same = sft_example(tok, chat[:-1], " no")  # the last answer given apart
+    assert torch.equal(same[0], inputs) and torch.equal(same[1], targets)
 
 
-def test_example_layout_equals_transformers_rendering_of_smollm2_template(
-        smollm2, hf_smollm2_tokenizer):
-    _, ours = smollm2  # the file's tokenizer in lib, parsed once per session (conftest)
-    theirs = hf_smollm2_tokenizer
-    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
-    inputs, targets = sft_example(ours, messages, '{"answer": 5}')
-    whole = messages + [{"role": "assistant", "content": '{"answer": 5}'}]
-    text = theirs.apply_chat_template(whole, tokenize=False, add_generation_prompt=False)
-    ids = theirs.encode(text, add_special_tokens=False)
-    assert inputs.tolist() + [targets[-1].item()] == ids[:-1]  # all but the last "\n"
-    assert ours.decode(targets[targets != IGNORE].tolist()) == '{"answer": 5}<|im_end|>'
+# SmolLM2's template with each assistant message and its <|im_end|> in a {% generation %}
+# block, the marks transformers' return_assistant_tokens_mask (and TRL's assistant-only
+# loss) read. Written independently of lib; it renders what the file's template renders
+# (the newline after a turn is an expression: trim_blocks drops one right after a block tag).
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}"
+    "<|im_end|>{% endgeneration %}{% else %}{{ message['content'] }}<|im_end|>{% endif %}"
+    "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hf_rust_smollm2(smollm2_file, hf_smollm2_tokenizer):
+    """transformers' tokenizer class over Hugging Face's Rust pipeline of SmolLM2's
+    tokenizer.json (digits split off first), with the file's bos and eos."""
+    from transformers import PreTrainedTokenizerFast
+    from test_smollm import rust_tokenizer
+
+    special = hf_smollm2_tokenizer.special_tokens_map
+    return PreTrainedTokenizerFast(tokenizer_object=rust_tokenizer(smollm2_file[0].metadata),
+                                   bos_token=special["bos_token"], eos_token=special["eos_token"])
+
+
+def test_every_assistant_turn_is_learned_as_transformers_marks_it(smollm2, hf_rust_smollm2):
+    """SFT on a multi-turn conversation, against transformers' assistant mask (from the
+    {% generation %} blocks, mapped to tokens through the Rust tokenizer's offsets): the
+    same ids, and a target is learned exactly where transformers marks it. The answers
+    start with whitespace and hold digits after blank lines, where tokenising prompt and
+    answer apart would differ."""
+    _, ours = smollm2
+    chat = [{"role": "user", "content": "Two steps?"},
+            {"role": "assistant", "content": "  1. Mix.\n\n2. Bake."},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": "\n\n3. Serve, at 20:30."}]
+    for messages in (chat, [{"role": "system", "content": "Be brief."}] + chat[:2]):
+        theirs = hf_rust_smollm2.apply_chat_template(
+            messages, chat_template=GENERATION_TEMPLATE, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True)
+        ids, mask = theirs["input_ids"], theirs["assistant_masks"]
+        assert ours.apply_chat_template(messages, False) == hf_rust_smollm2.apply_chat_template(
+            messages, chat_template=GENERATION_TEMPLATE, tokenize=False)
+        end = max(t for t, m in enumerate(mask) if m) + 1  # after the last <|im_end|>
+        assert ids[end - 1] == ours.end_of_turn_id and sum(mask) < end
+        inputs, targets = sft_example(ours, messages)
+        assert inputs.tolist() == ids[:end - 1]
+        assert targets.tolist() == [i if m else IGNORE for i, m in zip(ids[1:end], mask[1:end])]
+    apart = ours.encode_chat(chat[:1]) + ours.encode(chat[1]["content"])
+    assert apart != ids[:len(apart)]  # tokenising the first answer apart differs
 
 
 def test_sft_loss_equals_cross_entropy_and_float64_masked_mean():
@@ -221,11 +270,14 @@ def test_dpo_and_examples_name_bad_arguments():
         dpo(m, [pair], torch.zeros(2), steps=1, lr=1e-3, beta=0.1, batch_size=1)
     with pytest.raises(ValueError, match="beta must be a number > 0"):
         dpo(m, [pair], torch.zeros(1, 2), steps=1, lr=1e-3, beta=0.0, batch_size=1)
-    with pytest.raises(ValueError, match="response must be a non-empty str"):
+    with pytest.raises(ValueError, match="response must be None or a non-empty str"):
         sft_example(tok, question(1), "")
-    no_eos = ChatTokenizer(tok.bpe, tok.special, CHATML)
-    with pytest.raises(ValueError, match="eos_id"):
-        sft_example(no_eos, question(1), "a")
+    with pytest.raises(ValueError, match="messages must hold an assistant message"):
+        sft_example(tok, question(1))
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    no_end = ChatTokenizer(tok.bpe, tok.special, plain)  # no end-of-turn token at all
+    with pytest.raises(ValueError, match="not followed by the end-of-turn token"):
+        sft_example(no_end, question(1), "a")
 
 
 def test_token_kl_equals_torch_kl_div_on_the_kept_positions():

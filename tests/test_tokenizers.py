@@ -400,3 +400,63 @@ def test_tiktoken_offline_error_is_short_and_names_the_cause(monkeypatch, tmp_pa
     assert info.value.__cause__ is None and info.value.__suppress_context__
     message = str(info.value)
     assert "ConnectionError" in message and str(tmp_path) in message and "\n" not in message
+
+
+# --------------------------------------------------------------------------------------------------
+# ChatTokenizer (SmolLM2's own, against transformers and Rust tokenizers: tests/test_smollm.py)
+# --------------------------------------------------------------------------------------------------
+
+def test_token_spans_start_where_tiktoken_says(cl100k):
+    """The character spans behind ChatTokenizer's assistant mask: each token's start equals
+    tiktoken's decode_with_offsets, emoji and characters split over two tokens included."""
+    ours, enc = cl100k
+    for text in VARIED_TEXTS:
+        ids, spans = tk._encode_with_spans(ours, text)
+        assert ids == ours.encode(text)
+        assert [start for start, _ in spans] == enc.decode_with_offsets(ids)[1], text
+        assert all(start < end for start, end in spans)
+
+
+def test_token_spans_step_over_bytes_without_a_token():
+    """A vocabulary without byte 0x04 drops it (as Hugging Face's BPE does); the spans of the
+    tokens after it, and of a merge around it, still point at their own characters."""
+    byte_ids = [None if b == 4 else b for b in range(256)]
+    bpe = BPETokenizer({(ord(" "), ord("!")): 256}, tk.GPT2_SPLIT_PATTERN, byte_ids)
+    text = "x \x04!?\x04 é"
+    ids, spans = tk._encode_with_spans(bpe, text)
+    assert ids == bpe.encode(text) == [ord("x"), 256, ord("?"), ord(" "), 0xC3, 0xA9]
+    assert spans == [(0, 1), (1, 4), (4, 5), (6, 7), (7, 8), (7, 8)]  # " !" is text[1:4]
+
+
+def chat_tokenizer(template, eos_id=None, bos_id=None) -> tk.ChatTokenizer:
+    """Bytes as ids 0-255, three special tokens 256-258."""
+    special = {"<|start|>": 256, "<|eot|>": 257, "<|end_of_text|>": 258}
+    return tk.ChatTokenizer(BPETokenizer({}, byte_ids=list(range(256))), special, template,
+                            eos_id=eos_id, bos_id=bos_id)
+
+
+def test_end_of_turn_is_what_the_template_writes_after_an_assistant_message():
+    """Llama 3's layout ends a turn with <|eot|> and names <|end_of_text|> as eos: the turn
+    ends at <|eot|>. A template that writes no special token after a message, or none at
+    all, leaves eos."""
+    llama3 = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n\n"
+              "{{ m['content'] }}<|eot|>{% endfor %}")
+    tok = chat_tokenizer(llama3, eos_id=258, bos_id=256)
+    assert tok.end_of_turn_id == 257 and tok.eos_id == 258
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert chat_tokenizer(plain, eos_id=258).end_of_turn_id == 258
+    assert chat_tokenizer(None, eos_id=258).end_of_turn_id == 258
+    chat = [{"role": "user", "content": "hi <|eot|>"}]
+    assert tok.apply_chat_template(chat) == "<|start|><|start|>user\n\nhi <|eot|><|eot|>"
+    assert tok.encode_chat(chat) == [256, 256, *b"user\n\nhi ", *b"<|eot|>", 257]
+
+
+def test_chat_tokenizer_bad_inputs():
+    with pytest.raises(ValueError, match="eos_id and bos_id must be None or ids in the vocab"):
+        chat_tokenizer(None, eos_id=300)
+    with pytest.raises(TypeError, match="chat_template None or a str"):
+        chat_tokenizer(b"{{ messages }}")
+    with pytest.raises(ValueError, match="this tokenizer has no chat_template"):
+        chat_tokenizer(None).apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="messages must be a list of"):
+        chat_tokenizer("{{ messages }}").encode_chat("hi")
