@@ -176,8 +176,8 @@ def check_generate_args(model: GPT, ids: torch.Tensor, max_new_tokens: int,
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_token_ids("ids", ids, dim=2, nonempty=True)
     check_id_range("ids", ids, V)
-    check_int("stop_id", stop_id, minimum=0, maximum=V - 1, optional=True)
-    check_int("pad_id", pad_id, minimum=0, maximum=V - 1, optional=True)
+    for name, value in (("stop_id", stop_id), ("pad_id", pad_id)):
+        check_int(name, value, minimum=0, maximum=V - 1, optional=True)
     mask = check_type("attention_mask", attention_mask, torch.Tensor, optional=True)
     if mask is None:
         return
@@ -199,9 +199,8 @@ def left_pad(prompts: Sequence[Sequence[int] | torch.Tensor], pad_id: int = 0,
     after ``pad_id`` tokens, and ``attention_mask`` ``(B, T)``, 1 on the prompt's
     tokens and 0 on the padding (as a transformers tokenizer with
     ``padding_side="left"`` makes them). Both are int64, on ``device``."""
-    check_type("prompts", prompts, (list, tuple), "list of prompts")
-    if not prompts:
-        raise ValueError("prompts must hold at least one prompt, got none")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts!r}")
     check_int("pad_id", pad_id, minimum=0)
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
@@ -219,7 +218,6 @@ def completions(out: torch.Tensor, prompt_length: int,
     after the first ``prompt_length`` (the prompt batch's width), up to and including
     the first ``stop_id`` (a row ends with it exactly when it stopped); the padding
     after it is dropped."""
-    check_token_ids("out", out, dim=2)
     check_int("prompt_length", prompt_length, minimum=0, maximum=out.size(1))
     rows = out[:, prompt_length:].tolist()
     return [row[:row.index(stop_id) + 1] if stop_id in row else row for row in rows]

@@ -7,6 +7,7 @@ query (through the KV cache too), a stopped row padded, the loop ending when eve
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -16,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from lib.attention import attention_mask  # noqa: E402
-from lib.model import completions, left_pad  # noqa: E402
+from lib.model import GPT, completions, left_pad  # noqa: E402
 from lib.pretrained import from_hf  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -140,6 +141,51 @@ def test_seeded_sampling_equals_transformers(pair, seed):
     assert len(completions(expected, ids.size(1), stop)[1]) <= 2
 
 
+def test_rope_rotates_each_row_by_transformers_positions():
+    """RoPE on left-padded rows rotates by the positions transformers derives from the mask (the
+    attention scores would hide a wrong shift: RoPE's q.k depends on relative position only)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    hf = llama()
+    model = from_hf(hf.state_dict(), hf.config.to_dict())
+    ids, mask = left_pad(PROMPTS, pad_id=PAD)
+    q, k = torch.randn(2, 4, 4, 7, 16).unbind(0)  # (B, H, T, D)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cos, sin = LlamaRotaryEmbedding(hf.config)(q, positions)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
+    n_pad = (mask == 0).sum(1)
+    rope = model.blocks[0].attn.rope
+    torch.testing.assert_close(rope(q, 0, n_pad), q_hf)
+    torch.testing.assert_close(rope(k, 0, n_pad), k_hf)
+    # one cached step later: the next token of every row, at index 7
+    cos, sin = LlamaRotaryEmbedding(hf.config)(q, positions[:, -1:] + 1)
+    q_hf, _ = apply_rotary_pos_emb(q[:, :, :1], k[:, :, :1], cos, sin)
+    torch.testing.assert_close(rope(q[:, :, :1], 7, n_pad), q_hf)
+
+
+def test_cpu_kernels_model_takes_padded_batches_through_the_parent_path():
+    hf = llama()
+    model = from_hf(hf.state_dict(), hf.config.to_dict())
+    fast = GPT(dataclasses.replace(model.config, cpu_kernels=True)).eval()
+    fast.load_state_dict(model.state_dict())
+    assert type(fast.blocks[0].attn).__name__ == "CPUMultiHeadAttention"
+    ids, mask = left_pad(PROMPTS, pad_id=PAD)
+    assert torch.equal(ours(fast, ids, mask, 12, stop=64), theirs(hf, ids, mask, 12, stop=64))
+
+
+def test_rows_of_a_batch_equal_the_prompts_alone_past_the_context():
+    """transformers does not crop at the context length, so past it the reference is the
+    definition of batching: each row gets the tokens its prompt gets alone (every row here
+    outgrows the 12-token context; the padded window of a row holds its last real tokens)."""
+    hf = llama()
+    model = from_hf(hf.state_dict(), {**hf.config.to_dict(), "max_position_embeddings": 12})
+    ids, mask = left_pad(PROMPTS, pad_id=PAD)
+    out = model.generate(ids, 16, temperature=0.0, attention_mask=mask)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), 16, temperature=0.0)
+        assert alone[0, len(prompt):].tolist() == out[row, ids.size(1):].tolist()
+
+
 @pytest.mark.parametrize("make", [llama, gpt2])
 def test_padded_batch_past_the_context_cached_equals_recomputed(make):
     """Past context_length the cache is dropped and each step recomputes on the last tokens
@@ -191,8 +237,10 @@ def test_bad_stop_and_mask_arguments_are_clear_errors(kwargs, error, match):
 
 
 def test_bad_left_pad_and_completions_arguments():
-    with pytest.raises(ValueError, match="at least one prompt"):
+    with pytest.raises(ValueError, match="prompts must be a non-empty list"):
         left_pad([])
+    with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+        left_pad(torch.tensor([[1, 2]]))
     with pytest.raises(ValueError, match=r"prompts\[1\] must hold at least one token id"):
         left_pad([[1, 2], []])
     with pytest.raises(TypeError, match=r"prompts\[0\] must be an integer tensor"):
