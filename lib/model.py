@@ -97,7 +97,7 @@ class GPT(nn.Module):
         None): ``F.cross_entropy`` in at least float32 (targets -100 left out). With
         ``kv_caches`` (one :class:`KVCache` per block), ``ids`` continues the cached
         sequence, whose length is its first position. ``attention_mask`` ``(B, T_k)``
-        (cached and new tokens): 0 on left padding, which no token attends to."""
+        (cached and new tokens), 0 on left padding: hidden; positions start after it."""
         offset = 0 if kv_caches is None else kv_caches[0].length  # ids[:, 0]'s position
         n_pad = None if attention_mask is None else (attention_mask == 0).sum(1)  # (B,)
         x = self.embed(ids, offset, n_pad)  # (B, T, C)
@@ -200,7 +200,7 @@ def left_pad(prompts: Sequence[Sequence[int] | torch.Tensor], pad_id: int = 0,
     tokens and 0 on the padding (as a transformers tokenizer with
     ``padding_side="left"`` makes them). Both are int64, on ``device``."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts!r}")
+        raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts}")
     check_int("pad_id", pad_id, minimum=0)
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
