@@ -2,7 +2,8 @@
 and a KV cache.
 
 - :func:`attention_mask`: which keys each query may look at (causal, optionally a
-  sliding window with attention sinks); the library's one mask builder.
+  sliding window with attention sinks, and left-padded rows); the library's one mask
+  builder.
 - :func:`repeat_kv`: grouped-query attention's sharing of key/value heads, written out.
 - :func:`scaled_dot_product_attention`: the formula written out (scores, scale, mask,
   softmax, weighted sum), returning the attention weights too. Chapters build it; tests
@@ -36,7 +37,8 @@ __all__ = ["KVCache", "MultiHeadAttention", "attention_mask", "attention_weights
 
 
 def attention_mask(T_q: int, T_k: int, window: int | None = None, sinks: int = 0,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+                   device: torch.device | str | None = None,
+                   n_pad: torch.Tensor | None = None) -> torch.Tensor:
     """Bool mask ``(T_q, T_k)``, True where query i may attend to key j.
 
     The queries are the *last* ``T_q`` of the ``T_k`` positions (query i sits at
@@ -44,12 +46,21 @@ def attention_mask(T_q: int, T_k: int, window: int | None = None, sinks: int = 0
     causal case, a lower triangle. A query sees the keys at its own position and before;
     with ``window=w`` only the ``w`` most recent of them (itself included), plus the
     first ``sinks`` positions of the sequence (attention sinks), however old they are.
+
+    ``n_pad`` ``(B,)``: row b of a batch opens with ``n_pad[b]`` padding tokens (left
+    padding), so its positions count from index ``n_pad[b]`` and the mask is ``(B, 1,
+    T_q, T_k)``, one per row, the same for every head. No query sees padding; a padding
+    query sees only itself, so that no row of scores is all ``-inf``.
     """
     q_pos = torch.arange(T_k - T_q, T_k, device=device)[:, None]  # (T_q, 1)
     k_pos = torch.arange(T_k, device=device)[None, :]  # (1, T_k)
+    if n_pad is not None:  # each row's own positions: (B, 1, T_q, 1), (B, 1, 1, T_k)
+        q_pos, k_pos = q_pos - n_pad.view(-1, 1, 1, 1), k_pos - n_pad.view(-1, 1, 1, 1)
     allowed = k_pos <= q_pos  # no peeking at the future
     if window is not None:  # nothing older than the window, except the sinks
         allowed = allowed & ((q_pos - k_pos < window) | (k_pos < sinks))
+    if n_pad is not None:  # padding sits at positions < 0: hidden, but from itself
+        allowed = (allowed & (k_pos >= 0)) | (k_pos == q_pos)
     return allowed
 
 
@@ -155,21 +166,21 @@ class MultiHeadAttention(nn.Module):
         self.q_norm, self.k_norm = (RMSNorm(D), RMSNorm(D)) if qk_norm else (None, None)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, offset: int = 0,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None,
+                n_pad: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``(B, T, C)`` at positions ``offset …`` -> ``(B, T, C)``; a
-        ``kv_cache`` holds the earlier positions' keys and values, and grows."""
+        ``kv_cache`` holds earlier keys and values; ``n_pad`` ``(B,)``: left padding."""
         B, T, C = x.shape
-        q, k, v = self.project(x, offset, kv_cache)  # (B, H, T, D), (B, H_kv, T_k, D)
-        mask, causal = self.mask(T, k.size(2), x.device)
+        q, k, v = self.project(x, offset, kv_cache, n_pad)  # (B,H,T,D), (B,H_kv,T_k,D)
+        mask, causal = self.mask(T, k.size(2), x.device, n_pad)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads)  # (B,H,T,D)
         y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side: (B, T, C)
         return self.resid_dropout(self.out_proj(y))
 
-    def project(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None,
+                n_pad: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Queries ``(B, H, T, D)``, keys and values ``(B, H_kv, T_k, D)`` for ``x``:
         projected, split into heads, QK-normed, rotated, after the cache's."""
         B, T, _ = x.shape
@@ -180,18 +191,18 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None:  # each head's queries and keys: RMS 1, times a gain
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q, k = self.rope(q, offset), self.rope(k, offset)
+            q, k = self.rope(q, offset, n_pad), self.rope(k, offset, n_pad)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, H_kv, T_k, D), T_k = offset + T
         return q, k, v
 
-    def mask(self, T: int, T_k: int, device: torch.device | str | None = None
-             ) -> tuple[torch.Tensor | None, bool]:
-        """``(mask, causal)`` for the last ``T`` of ``T_k`` positions. With no window,
-        all new (causal) or one new needs no mask; else :func:`attention_mask`."""
-        if self.window is None and T in (1, T_k):
+    def mask(self, T: int, T_k: int, device: torch.device | str | None = None,
+             n_pad: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
+        """``(mask, causal)`` for the last ``T`` of ``T_k`` positions: with no window or
+        padding, none if all are new (causal) or one is; else :func:`attention_mask`."""
+        if self.window is None and n_pad is None and T in (1, T_k):
             return None, T == T_k
-        return attention_mask(T, T_k, self.window, self.sinks, device), False
+        return attention_mask(T, T_k, self.window, self.sinks, device, n_pad), False
 
 
 def attention_weights(attn: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,9 @@ class TransformerBlock(nn.Module):
         self.norm2 = make_norm(config)
         self.ffn = make_ffn(config)
 
-    def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None
-                ) -> torch.Tensor:
-        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> same shape."""
-        x = x + self.attn(self.norm1(x), offset, kv_cache)  # tokens share information
+    def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None,
+                n_pad: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` at positions ``offset … offset+T-1`` -> same shape;
+        ``n_pad`` ``(B,)``: each row's left padding, if any."""
+        x = x + self.attn(self.norm1(x), offset, kv_cache, n_pad)  # tokens share info
         return x + self.ffn(self.norm2(x))  # each token processed on its own

@@ -62,7 +62,8 @@ def causal_attention_bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class CPUMultiHeadAttention(MultiHeadAttention):
     """:class:`lib.attention.MultiHeadAttention` (causal, no window) computed for a CPU:
     q, k and v from one matmul with the three weight matrices stacked, queries and keys
-    rotated in one call, :func:`causal_attention_bmm`; a KV cache works as in the parent.
+    rotated in one call, :func:`causal_attention_bmm`; a KV cache works as in the parent,
+    and a left-padded batch (``n_pad``) takes the parent's path.
 
     One path, fixed at construction: :class:`lib.config.GPTConfig` refuses
     ``cpu_kernels=True`` with a ``window`` or with a ``context_length`` above
@@ -71,8 +72,10 @@ class CPUMultiHeadAttention(MultiHeadAttention):
     ``q_proj``/``k_proj``/``v_proj`` does not run and :func:`lib.lora.apply_lora`
     refuses these projections (build the model with ``cpu_kernels=False`` for LoRA)."""
 
-    def forward(self, x: torch.Tensor, offset: int = 0,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, kv_cache: KVCache | None = None,
+                n_pad: torch.Tensor | None = None) -> torch.Tensor:
+        if n_pad is not None:  # left-padded rows need the padding mask: the parent's path
+            return super().forward(x, offset, kv_cache, n_pad)
         B, T, C = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         proj = (self.q_proj, self.k_proj, self.v_proj)

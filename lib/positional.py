@@ -12,6 +12,8 @@ Attention on its own treats its input as a set; these modules give it order.
   rule for longer contexts chosen by a ``rope_scaling`` dict
   (:func:`check_rope_scaling`): position interpolation, the NTK-aware base change, YaRN
   (:func:`yarn_inv_freq`) or Llama 3's rule (:func:`llama3_inv_freq`).
+- :func:`padded_positions`: the positions of the tokens of left-padded rows, which a
+  batch of prompts of different lengths needs (:meth:`lib.model.GPT.generate`).
 """
 from __future__ import annotations
 
@@ -238,6 +240,14 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0,
     return llama3_inv_freq(theta, **rule)
 
 
+def padded_positions(T: int, offset: int, n_pad: Tensor) -> Tensor:
+    """Positions ``(B, T)`` of the tokens at indices ``offset … offset+T-1`` of rows
+    that open with ``n_pad[b]`` padding tokens (left padding): each row's first token
+    is at position 0, and so is its padding (as transformers counts them)."""
+    index = torch.arange(offset, offset + T, device=n_pad.device)              # (T,)
+    return (index - n_pad[:, None]).clamp(min=0)                               # (B, T)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension: a 90° turn of
     each pair."""
@@ -305,9 +315,15 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin64(torch.arange(offset, offset + T))
         return cos.to(self.cos), sin.to(self.sin)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Rotate ``x (..., T, D)`` by positions ``offset … offset+T-1``."""
-        cos, sin = self.cos_sin(x.shape[-2], offset)                  # (T, D) each
+    def forward(self, x: Tensor, offset: int = 0, n_pad: Tensor | None = None
+                ) -> Tensor:
+        """Rotate ``x (..., T, D)`` by positions ``offset … offset+T-1``; with ``n_pad``
+        ``(B,)`` (left padding), ``x (B, H, T, D)`` by :func:`padded_positions`."""
+        if n_pad is None:
+            cos, sin = self.cos_sin(x.shape[-2], offset)              # (T, D) each
+        else:  # each row's own positions (B, T) -> (B, 1, T, D), the same for all heads
+            positions = padded_positions(x.shape[-2], offset, n_pad)
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return x * cos + rotate_half(x) * sin                         # (..., T, D)
 
