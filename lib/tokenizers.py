@@ -533,12 +533,12 @@ class ChatTokenizer:
         if not isinstance(bpe, BPETokenizer) or not isinstance(chat_template, (str, type(None))):
             raise TypeError(f"bpe must be a BPETokenizer and chat_template None or a str (Jinja), "
                             f"got {type(bpe).__name__} and {type(chat_template).__name__}")
-        if not isinstance(special, Mapping) or not all(
-                isinstance(t, str) and t and _is_int(i) and i >= 0 for t, i in special.items()):
-            raise ValueError("special must map non-empty token texts to non-negative int ids")
-        clash = sorted(i for i in special.values() if i in bpe.vocab)
-        if clash or len(set(special.values())) != len(special):
-            raise ValueError(f"special token ids must be distinct and unused by bpe, got {clash}")
+        ok = isinstance(special, Mapping) and all(
+            isinstance(t, str) and t and _is_int(i) and i >= 0 for t, i in special.items())
+        if not ok or len(set(special.values())) != len(special) or any(
+                i in bpe.vocab for i in special.values()):
+            raise ValueError(f"special must map non-empty token texts to distinct int ids >= 0 "
+                             f"that bpe does not use, got {special!r}")
         self.bpe, self.special = bpe, dict(special)
         self.special_text = {i: t.encode("utf-8") for t, i in special.items()}
         if not all(i is None or (_is_int(i) and (i in bpe.vocab or i in self.special_text))
@@ -688,14 +688,13 @@ def _assistant_turn(tok: ChatTokenizer, messages: list[dict], k: int,
     rendering of ``messages``: from the end of the conversation before it (rendered with the
     generation prompt) to the end of the first end-of-turn token the template writes."""
     head, upto = tok._render(messages[:k], True), tok._render(messages[:k + 1], False)
-    if not (whole.startswith(head) and whole.startswith(upto)):
-        raise ValueError(f"the chat template renders the conversation before message {k} "
-                         f"differently when more follows, so its assistant turns cannot be found")
-    for match in tok._marked_re.finditer(whole, len(head), len(upto)):
-        if match.group(2) and tok.special[match.group(2)] == tok.end_of_turn_id:
-            return len(head), match.end()
-    raise ValueError(f"assistant message {k} is not followed by the end-of-turn token "
-                     f"(end_of_turn_id={tok.end_of_turn_id})")
+    ends = [m.end() for m in tok._marked_re.finditer(whole, len(head), len(upto))
+            if m.group(2) and tok.special[m.group(2)] == tok.end_of_turn_id]
+    if not (whole.startswith(head) and whole.startswith(upto) and ends):
+        raise ValueError(f"the chat template must render the conversation before message {k} "
+                         f"the same when more follows, and end assistant message {k} with the "
+                         f"end-of-turn token (end_of_turn_id={tok.end_of_turn_id})")
+    return len(head), ends[0]
 
 
 def _end_of_turn_id(tok: ChatTokenizer) -> int | None:

@@ -276,7 +276,7 @@ def test_dpo_and_examples_name_bad_arguments():
         sft_example(tok, question(1))
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     no_end = ChatTokenizer(tok.bpe, tok.special, plain)  # no end-of-turn token at all
-    with pytest.raises(ValueError, match="not followed by the end-of-turn token"):
+    with pytest.raises(ValueError, match="with the end-of-turn token"):
         sft_example(no_end, question(1), "a")
 
 
