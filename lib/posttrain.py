@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lib.checks import check_int, check_number, check_type, eval_mode, model_device
+from lib.model import completions
 from lib.tokenizers import ChatTokenizer
 
 __all__ = ["IGNORE", "sft_example", "pad_batch", "sequence_logprobs",
@@ -258,11 +259,9 @@ def dpo(model: nn.Module, pairs: Sequence[tuple[Example, Example]],
 
 def reply(model: nn.Module, tokenizer, messages: Sequence[Mapping[str, str]],
           max_new_tokens: int = 32) -> str:
-    """The model's greedy answer to ``messages`` (chat-formatted by ``tokenizer``), up
-    to its end-of-turn token or ``max_new_tokens`` tokens."""
-    prompt = tokenizer.encode_chat(messages)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens, temperature=0.0)
-    answer = out[0, len(prompt):].tolist()
-    if tokenizer.eos_id in answer:
-        answer = answer[:answer.index(tokenizer.eos_id)]
-    return tokenizer.decode(answer)
+    """The model's greedy answer to ``messages`` (chat-formatted by ``tokenizer``):
+    generation stops at the end-of-turn token (left out) or after ``max_new_tokens``."""
+    prompt, end = tokenizer.encode_chat(messages), tokenizer.end_of_turn_id
+    out = model.generate(torch.tensor([prompt]), max_new_tokens, temperature=0.0, stop_id=end)
+    answer = completions(out, len(prompt), end)[0]
+    return tokenizer.decode(answer[:-1] if answer[-1:] == [end] else answer)
