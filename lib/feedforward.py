@@ -104,8 +104,8 @@ def with_aux_loss(y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     ``backward()`` that reaches ``y`` also gives ``aux`` the gradient 1. Started from
     the loss itself (``loss.backward()``), that is the gradient of ``loss + aux``, while
     the loss's value stays as it is. DeepSeek-V2's ``modeling_deepseek.py``
-    (``AddAuxiliaryLoss``) attaches its balancing loss this way; Megatron-LM's ``MoEAuxLossAutoScaler`` also scales
-    that gradient with the main loss's scale."""
+    (``AddAuxiliaryLoss``) attaches its balancing loss this way; Megatron-LM's
+    ``MoEAuxLossAutoScaler`` also scales that gradient with the main loss's scale."""
     return _AuxLoss.apply(y, aux)
 
 
