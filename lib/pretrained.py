@@ -15,7 +15,7 @@ Loading is two steps whatever the source:
 :func:`from_hf` loads a Hugging Face GPT-2 or Llama checkpoint (a state dict and a config
 dict); :func:`from_hf_folder` a folder as ``save_pretrained`` or the Hub lays it out. A
 setting lib cannot reproduce, or a tensor that is missing, extra or misshapen, is an
-error naming it; nothing is dropped. Only torch and safetensors are needed, not
+error naming it; nothing else is dropped (only buffers lib computes itself, after a check). Only torch and safetensors are needed, not
 ``transformers``.
 """
 from __future__ import annotations

@@ -30,7 +30,12 @@ def gpt2(tie: bool = True, activation: str = "gelu_new", seed: int = 0) -> GPT2L
     config = GPT2Config(vocab_size=VOCAB, n_positions=48, n_embd=32, n_layer=2, n_head=4,
                         activation_function=activation, tie_word_embeddings=tie, bos_token_id=0,
                         eos_token_id=0, layer_norm_epsilon=1e-5)
-    return GPT2LMHeadModel(config).eval()
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: make them random so the test sees them
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * (0.1 if "bias" in name else 1.0) + (1.0 if "weight" in name else 0.0))
+    return model
 
 
 def llama(tie: bool = False, scaling: dict | None = None, kv_heads: int = 2, bias: bool = False,
