@@ -3,9 +3,9 @@ file, and its tokenizer against Hugging Face's Rust tokenizers built as SmolLM2'
 tokenizer.json is.
 
 transformers reads the file with the ``gguf`` package (requirements.txt) and
-``accelerate`` (a test requirement): every weight, logits, greedy answers and chat templates are compared. Its
-GGUF loader pre-splits text with GPT-2's pattern alone, not SmolLM2's rule, so token ids
-are compared with the Rust pipeline instead. Each model is loaded once for the module;
+``accelerate`` (a test requirement): every weight, logits, greedy answers and chat
+templates are compared. Its GGUF loader pre-splits text with GPT-2's pattern alone, not
+SmolLM2's rule, so token ids are compared with the Rust pipeline instead. Each model is loaded once for the module;
 prompts are short.
 """
 
