@@ -5,8 +5,8 @@ tokenizer.json is.
 transformers reads the file with the ``gguf`` package (requirements.txt) and
 ``accelerate`` (a test requirement): every weight, logits, greedy answers and chat
 templates are compared. Its GGUF loader pre-splits text with GPT-2's pattern alone, not
-SmolLM2's rule, so token ids are compared with the Rust pipeline instead. Each model is loaded once for the module;
-prompts are short.
+SmolLM2's rule, so token ids are compared with the Rust pipeline instead. Each model is
+loaded once for the module; prompts are short.
 """
 
 from __future__ import annotations
