@@ -2,11 +2,11 @@
 file, and its tokenizer against Hugging Face's Rust tokenizers built as SmolLM2's own
 tokenizer.json is.
 
-transformers reads the file with the ``gguf`` package (and ``accelerate``), both test
-requirements: every weight, logits, greedy answers and chat templates are compared. Its
-GGUF loader pre-splits text with GPT-2's pattern alone, not SmolLM2's rule, so token ids
-are compared with the Rust pipeline instead. Each model is loaded once for the module;
-prompts are short.
+transformers reads the file with the ``gguf`` package (requirements.txt) and
+``accelerate`` (a test requirement): every weight, logits, greedy answers and chat
+templates are compared. Its GGUF loader pre-splits text with GPT-2's pattern alone, not
+SmolLM2's rule, so token ids are compared with the Rust pipeline instead. Each model is
+loaded once for the module; prompts are short.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from lib import smollm
 from lib.gguf import GGUFError
 from lib.config import GPTConfig
-from lib.model import GPT
+from lib.model import GPT, completions
 from lib.pretrained import fill, rename
 from lib import tokenizers
 from lib.tokenizers import ChatTokenizer
@@ -54,7 +54,9 @@ DIGIT_TEXTS = [
     "   3 spaces, then\r\n\r\n2 lines and  \u00a0 5 and \u2003\u20037",
     "numerals \u00b2 \u00bd  \u216b   \u0663\u0664 \uff13 and  12\u00b3",
 ]
-QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?"]
+# The four questions of page C (chapters/A3_real_model.ipynb), asked as its `ask` asks them.
+QUESTIONS = ["What is the capital of France?", "How many days are in a week?",
+             "What is the capital of Italy?", "Name the capital of Italy."]
 
 
 def rust_tokenizer(metadata, digits: bool = True):
@@ -365,19 +367,23 @@ def test_logits_equal_transformers(ours, hf_model, hf_tokenizer):
 
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_greedy_chat_answers_equal_transformers(ours, hf_model, question):
+    """Page C's answers: greedy, at most 20 new tokens, stopping at the template's
+    end-of-turn id (generate's stop_id), token for token equal to transformers'."""
     model, tokenizer = ours
     prompt = torch.tensor(
         [tokenizer.encode_chat([{"role": "user", "content": question}])]
     )
-    n = prompt.shape[1]
-    mine = model.generate(prompt, 12, temperature=0)[0, n:].tolist()
+    n, end = prompt.shape[1], tokenizer.end_of_turn_id
+    out = model.generate(prompt, 20, temperature=0, stop_id=end)
+    mine = completions(out, n, end)[0]
     with torch.no_grad():
-        theirs = hf_model.generate(prompt, max_new_tokens=12, do_sample=False)[
-            0, n:
-        ].tolist()
-    assert mine[: len(theirs)] == theirs  # transformers stops at <|im_end|>
+        theirs = hf_model.generate(prompt, max_new_tokens=20, do_sample=False,
+                                   eos_token_id=end, pad_token_id=end)[0, n:].tolist()
+    assert mine == theirs
+    assert len(mine) == 20 or mine[-1] == end  # stopped at <|im_end|> or ran out
     if "France" in question:
-        assert tokenizer.decode(mine).startswith("The capital of France is Paris.")
+        assert mine[-1] == end
+        assert tokenizer.decode(mine[:-1]) == "The capital of France is Paris."
 
 
 def test_cached_generation_equals_recomputation(ours):
