@@ -15,8 +15,9 @@ Loading is two steps whatever the source:
 :func:`from_hf` loads a Hugging Face GPT-2 or Llama checkpoint (a state dict and a config
 dict); :func:`from_hf_folder` a folder as ``save_pretrained`` or the Hub lays it out. A
 setting lib cannot reproduce, or a tensor that is missing, extra or misshapen, is an
-error naming it; nothing else is dropped (only buffers lib computes itself, after a check). Only torch and safetensors are needed, not
-``transformers``.
+error naming it. Nothing else is dropped: only buffers that lib computes itself (such as
+a causal mask or RoPE's inverse frequencies), after a check. Only torch and safetensors
+are needed, not ``transformers``.
 """
 from __future__ import annotations
 

@@ -699,10 +699,15 @@ def _assistant_turn(tok: ChatTokenizer, messages: list[dict], k: int,
 
 def _end_of_turn_id(tok: ChatTokenizer) -> int | None:
     """The first special token ``tok``'s template writes after an assistant message's text;
-    ``tok.eos_id`` when it has no template or writes none."""
+    ``tok.eos_id`` when it has no template, writes none, or refuses the probe conversation
+    (a template may insist on a system message first)."""
     if tok._template is None:
         return tok.eos_id
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
-    text = tok._render(probe, False)
+    import jinja2  # imported where templates are used, as in compile_chat_template
+    try:
+        text = tok._render(probe, False)
+    except jinja2.TemplateError:
+        return tok.eos_id
     after = tok._special_re.search(text, text.rfind(_PROBE) + 1) if _PROBE in text else None
     return tok.special[after.group()] if after else tok.eos_id

@@ -460,3 +460,15 @@ def test_chat_tokenizer_bad_inputs():
         chat_tokenizer(None).apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="messages must be a list of"):
         chat_tokenizer("{{ messages }}").encode_chat("hi")
+
+
+def test_a_template_that_refuses_the_probe_still_builds_a_tokenizer():
+    """A template may insist on a system message first; finding its end-of-turn token must
+    not make the tokenizer unusable: it falls back to eos, and encoding still works."""
+    strict = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}"
+              "{% endif %}{% for m in messages %}<|start|>{{ m['content'] }}<|eot|>{% endfor %}")
+    tok = chat_tokenizer(strict, eos_id=258)
+    assert tok.end_of_turn_id == 258
+    assert tok.encode("hi") == [ord("h"), ord("i")]
+    with pytest.raises(Exception, match="system first"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
