@@ -25,17 +25,23 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 16}
 
 
+def random_vectors(model):
+    """``model`` with random norm gains (around 1) and biases (around 0): at their initial 1
+    and 0 a wrongly mapped norm or bias would leave the logits unchanged."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * (0.1 if "bias" in name else 1.0)
+                        + (1.0 if "weight" in name else 0.0))
+    return model
+
+
 def gpt2(tie: bool = True, activation: str = "gelu_new", seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=48, n_embd=32, n_layer=2, n_head=4,
                         activation_function=activation, tie_word_embeddings=tie, bos_token_id=0,
                         eos_token_id=0, layer_norm_epsilon=1e-5)
-    model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: make them random so the test sees them
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(torch.randn_like(p) * (0.1 if "bias" in name else 1.0) + (1.0 if "weight" in name else 0.0))
-    return model
+    return random_vectors(GPT2LMHeadModel(config).eval())
 
 
 def llama(tie: bool = False, scaling: dict | None = None, kv_heads: int = 2, bias: bool = False,
@@ -47,12 +53,7 @@ def llama(tie: bool = False, scaling: dict | None = None, kv_heads: int = 2, bia
                          rope_scaling=None if scaling is None else dict(scaling),
                          tie_word_embeddings=tie, attention_bias=bias, mlp_bias=bias,
                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: make them random so the test sees them
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(torch.randn_like(p) * (0.1 if "bias" in name else 1.0) + (1.0 if "norm" in name else 0.0))
-    return model
+    return random_vectors(LlamaForCausalLM(config).eval())
 
 
 def ids(T: int = 20, B: int = 2, seed: int = 1) -> torch.Tensor:
