@@ -66,8 +66,10 @@ GUARDED: dict[str, tuple[str, str]] = {
     name: ("chapters/12a_architecture_training.ipynb", 'hasattr(torch.optim, "Muon")')
     for name in SINCE if name.startswith("torch.optim.Muon")
 }
-# Behaviour rather than a name: how to see that the installed torch has it.
+
+
 def _fused_adamw_on_cpu() -> bool:
+    """Behaviour rather than a name: one fused AdamW step on a CPU parameter."""
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)
     torch.optim.AdamW([p], lr=0.1, fused=True).step()
