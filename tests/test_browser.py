@@ -6,6 +6,7 @@ server and opened at a laptop width (1280 x 900) and a phone width (390 x 844). 
 - no console error, no uncaught script error, no failed request for a file of the book (its
   favicon included) and no request to another host (the book reads offline);
 - every math element typeset by MathJax, and no raw TeX (``$...$``, ``\\[``, ``\\(``) left in the text;
+- the page itself no wider than the window (long listings scroll inside their own boxes);
 - at 1280 px, no code listing or printed output wider than its box (``scrollWidth > clientWidth``,
   measured in the page), except the blocks named in WIDE_BY_NATURE;
 - (once, at 1280 px) every internal link reaches a page or file of the build and, where it names
@@ -138,7 +139,8 @@ MEASURE = """async (layout) => {
   const prose = article.cloneNode(true);
   prose.querySelectorAll('pre, code, script, style, textarea, .math, mjx-container')
        .forEach(e => e.remove());
-  const out = {maths: maths.length, untypeset, prose: prose.textContent};
+  const out = {maths: maths.length, untypeset, prose: prose.textContent,
+               pageOverflow: document.documentElement.scrollWidth - window.innerWidth};
   if (!layout) return out;
   const cells = [...article.querySelectorAll('div.cell')];
   const where = (e) => {
@@ -242,6 +244,9 @@ def crawl(browser, root: Path, source_root: Path | None = None,
                     result.add("math not typeset", f"{where}: {tex!r}")
                 for raw in RAW_TEX.findall(m["prose"]):
                     result.add("raw TeX in the text", f"{where}: {raw!r}")
+                if m["pageOverflow"] > 0:
+                    result.add("page scrolls sideways",
+                               f"{where}: {m['pageOverflow']} px wider than the window")
                 if not layout:
                     continue
                 source = (source_root / name).with_suffix(".ipynb") if source_root else None
@@ -367,12 +372,13 @@ def test_each_check_can_fail(browser, tmp_path):
         '<a class="reference internal" href="good.html#equation-x">(1.1)</a>'
         '<img src="_images/missing.png"> <p>left as typed: $x^2$</p>'
         '<span class="math">\\(y\\)</span>'
-        '<script>console.error("boom")</script></article></body></html>')
+        '<script>console.error("boom")</script></article>'
+        '<div style="width: 2000px">a page wider than any window</div></body></html>')
     result = crawl(browser, tmp_path, wide_by_nature={"good:cell #0 input": "stale"})
     kinds = set(result.problems)
     assert {"wider than its box at 1280 px", "broken internal link",
             "reference to a missing element", "image does not load", "console error",
-            "failed request", "raw TeX in the text", "math not typeset",
+            "failed request", "raw TeX in the text", "math not typeset", "page scrolls sideways",
             "WIDE_BY_NATURE entry that fits now (drop it)"} <= kinds, report(result.problems)
     assert any("bad:cell #0 input" in m for m in result.problems["wider than its box at 1280 px"])
     assert any("missing.html" in m for m in result.problems["broken internal link"])
