@@ -32,7 +32,7 @@ def in_colab() -> bool:
 def pick_device(preference: str = "auto") -> torch.device:
     """Return the device to compute on: CUDA if present, then Apple MPS, else CPU.
 
-    ``preference`` forces one of 'cpu', 'cuda', 'mps' (or 'auto'). The environment variable
+    ``preference`` asks for one of 'cpu', 'cuda', 'mps' (or 'auto'). The environment variable
     ``GPTBOOK_DEVICE`` overrides 'auto', which lets CI and readers pin the CPU path. MPS is
     untested: it is used only when a probe of the chapters' ops (:func:`_ops_probe`) runs there,
     else the CPU, and either way one printed line says so.
