@@ -50,3 +50,14 @@ def test_fake_mode_checks(shim, capability):
     done = run_emulated(capability, "tests/fakecuda/fake_mode_checks.py", wrapper=False)
     assert done.returncode == 0, _summary(done)
     assert "7 passed" in done.stdout, _summary(done)
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_the_gpu_tests_pass_on_emulated_cuda(shim, capability):
+    """tests/test_cuda.py (skipped in a plain CPU run) on fake CUDA whose tensors hold CPU
+    values: training with amp/compile/fused AdamW, bf16 generation, resuming the CUDA random
+    state. A batch left on the CPU, a model not moved, or a generator state not restored
+    fails here as on a GPU (compile runs eagerly: its tracing is test_fake_mode_checks')."""
+    done = run_emulated(capability, "tests/test_cuda.py")
+    assert done.returncode == 0, _summary(done)
+    assert "4 passed" in done.stdout, _summary(done)
