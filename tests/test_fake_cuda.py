@@ -61,3 +61,22 @@ def test_the_gpu_tests_pass_on_emulated_cuda(shim, capability):
     done = run_emulated(capability, "tests/test_cuda.py")
     assert done.returncode == 0, _summary(done)
     assert "4 passed" in done.stdout, _summary(done)
+
+
+def test_the_chapter_switch_gives_cuda_with_cpu_settings(shim):
+    """GPTBOOK_FAKE_CUDA=1 (tools/fake_cuda_chapters.py): a chapter's setup() returns CUDA as
+    its device while env.pick keeps the CPU value, and a CPU tensor meeting a model moved to
+    env.device raises as on a GPU."""
+    code = ("from lib.setup import setup; import torch\n"
+            "env = setup()\n"
+            "layer = torch.nn.Linear(3, 2).to(env.device)\n"
+            "print(env.device.type, env.pick(cpu='small', gpu='large'),\n"
+            "      layer(torch.ones(1, 3, device=env.device)).device)\n"
+            "try:\n    layer(torch.ones(1, 3))\nexcept RuntimeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300,
+                          env=fakecuda.subprocess_env("7.5", GPTBOOK_FAKE_CUDA="1"))
+    assert done.returncode == 0, _summary(done)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "cuda small cuda:0"
+    assert "same device" in lines[1]
