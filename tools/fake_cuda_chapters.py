@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", default=DEFAULT)
     parser.add_argument("--capability", default="7.5", help="7.5 (T4, float32) or 8.0 (bf16)")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
     args = parser.parse_args(argv)
     os.environ.setdefault("MPLBACKEND", "Agg")
     os.environ.setdefault("PYTHONHASHSEED", "0")

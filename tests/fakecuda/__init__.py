@@ -66,8 +66,9 @@ def installed_torch_version() -> str:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "gptbook" / "fakecuda"
+    """Beside lib's caches (GPTBOOK_CACHE: a fresh folder per CI run, so CI pays the build)."""
+    default = Path.home() / ".cache" / "gpt-from-the-ground-up"
+    return Path(os.environ.get("GPTBOOK_CACHE") or default) / "fakecuda"
 
 
 def build_shim() -> Path:
