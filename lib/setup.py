@@ -93,6 +93,7 @@ class Env:
     colab: bool
     root: Path = field(default=ROOT)
     seed: int = 0
+    emulated: bool = False  # CUDA emulated on a CPU (GPTBOOK_FAKE_CUDA=1): CPU-sized settings
 
     @property
     def accelerated(self) -> bool:
@@ -101,7 +102,7 @@ class Env:
 
     def pick(self, cpu: T, gpu: T) -> T:
         """The one switch between small CPU settings (what CI runs) and larger GPU settings."""
-        return gpu if self.accelerated else cpu
+        return gpu if self.accelerated and not self.emulated else cpu
 
 
 def _install_requirements_on_colab(root: Path) -> None:
@@ -115,10 +116,21 @@ def _install_requirements_on_colab(root: Path) -> None:
 
 
 def setup(seed: int = 0, device: str = "auto") -> Env:
-    """Prepare a chapter: install on Colab, choose the device, seed, set print and figure style."""
+    """Prepare a chapter: install on Colab, choose the device, seed, set print and figure style.
+
+    With ``GPTBOOK_FAKE_CUDA=1`` (a test switch: ``tools/fake_cuda_chapters.py``) the device
+    is CUDA emulated on the CPU by ``tests/fakecuda`` while ``Env.pick`` keeps the CPU
+    settings, so CI runs every device-dependent line of a chapter at CPU sizes.
+    """
     colab = in_colab()
     if colab:
         _install_requirements_on_colab(ROOT)
+    emulated = os.environ.get("GPTBOOK_FAKE_CUDA") == "1"
+    if emulated:  # a test switch (tools/fake_cuda_chapters.py): CUDA emulated on the CPU
+        from tests.fakecuda import activate_from_env
+
+        activate_from_env()
+        device = "cuda"
     seed_everything(seed)
     torch.set_printoptions(precision=4, sci_mode=False, linewidth=100)
     np.set_printoptions(precision=4, suppress=True, linewidth=100)
@@ -126,7 +138,7 @@ def setup(seed: int = 0, device: str = "auto") -> Env:
     from lib import plotting
 
     plotting.use_style()
-    return Env(device=pick_device(device), colab=colab, seed=seed)
+    return Env(device=pick_device(device), colab=colab, seed=seed, emulated=emulated)
 
 
 def glue(name: str, value: Any, display: bool = False) -> None:
