@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lib.config import GPTConfig
-from lib.model import GPT, attention_maps
+from lib.model import GPT
 from lib.profiles import gpu_profile
 from lib.training import _autocast, configure_optimizer
 
@@ -114,25 +114,13 @@ def _gpu_profile_peak() -> int:
     return _peak(two_steps, model, optimizer)
 
 
-def _attention_maps_peak(n_windows: int) -> int:
-    model = GPT(GPTConfig.tiny(vocab_size=65, context_length=128)).eval()
-    ids = torch.randint(0, 65, (n_windows, 128))
-
-    def maps(tracker):
-        with torch.no_grad():
-            attention_maps(model, ids)
-    return _peak(maps, model)
-
-
 # Every `gpu=` the chapters pick, and what it costs in GPU memory. A setting that changes only
 # how long or how often something runs (steps, seeds) leaves the peak of a step as it is; the
-# two that change a step's size are measured.
+# one that changes a step's size (11's GPU profile) is measured.
 GPU_SETTINGS = {
-    "06_multi_head_attention": {"n_windows": lambda: _attention_maps_peak(64)},
     "11_training": {"gpu_profile": _gpu_profile_peak, "max_steps": None,
                     "eval_interval": None},
     "12a_architecture_training": {"SEEDS": None, "STEPS": None},
-    "A4_post_training": {"SEEDS": None},  # SmolLM2 stays on the CPU there
 }
 
 
