@@ -1,18 +1,18 @@
-"""Measuring a language model: bits per byte, answers scored by likelihood, pass@k, and how
-sure a score is.
+"""Measuring a language model: bits per byte, answers scored by likelihood, pass@k,
+and how sure a score is.
 
-- :func:`bits_per_byte`: the model's code length for a text in bits, divided by the text's
-  UTF-8 bytes, so that models with different tokenizers share one axis.
-- :func:`continuation_logprobs`: the summed log-probability of each continuation after its
-  context, the token split as lm-evaluation-harness makes it (:func:`split_pair`), many
+- :func:`bits_per_byte`: the model's code length for a text in bits, divided by the
+  text's UTF-8 bytes, so that models with different tokenizers share one axis.
+- :func:`continuation_logprobs`: the summed log-probability of each continuation after
+  its context, split as lm-evaluation-harness splits it (:func:`split_pair`), many
   pairs per forward pass. Multiple choice picks the answer with the highest score, raw
   (``acc``) or divided by the answer's characters (``acc_norm``).
-- :func:`pass_at_k`: the unbiased estimator of Chen et al. (2021) for "at least one of k
-  samples is right", from n samples of which c are right.
-- :func:`wilson_interval` (a confidence interval for an accuracy) and :func:`mcnemar_exact`
-  (two systems on the same items, by their discordant pairs).
-- :func:`calibration`: accuracy against confidence per bin, and the expected calibration
-  error.
+- :func:`pass_at_k`: the unbiased estimator of Chen et al. (2021) for "at least one
+  of k samples is right", from n samples of which c are right.
+- :func:`wilson_interval` (a confidence interval for an accuracy) and
+  :func:`mcnemar_exact` (two systems on the same items, by their discordant pairs).
+- :func:`calibration`: accuracy against confidence per bin, and the expected
+  calibration error.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from .checks import check_int, check_number, eval_mode, model_device
 
 @dataclass(frozen=True)
 class BitsPerByte:
-    """The code length of a text: ``nats`` summed over ``tokens`` scored tokens, which
-    spell ``bytes`` UTF-8 bytes. ``bpb`` is ``nats / ln 2 / bytes``; ``loss`` the mean
-    per token, ``nats / tokens``."""
+    """The code length of a text: ``nats`` summed over ``tokens`` scored tokens,
+    which spell ``bytes`` UTF-8 bytes. ``bpb`` is ``nats / ln 2 / bytes``; ``loss``
+    the mean per token, ``nats / tokens``."""
     nats: float
     tokens: int
     bytes: int
@@ -50,8 +50,9 @@ def bits_per_byte(model: torch.nn.Module, tokenizer, text: str,
                   window: int | None = None) -> BitsPerByte:
     """Score ``text`` with ``model`` in consecutive windows of ``window`` predictions
     (default and at most the model's ``context_length``); each window starts with the
-    previous window's last token, so every token after the first is predicted once. The
-    first token has nothing to be predicted from: it is left out, tokens and bytes both."""
+    previous window's last token, so every token after the first is predicted once.
+    The first token has nothing to be predicted from: it is left out, tokens and
+    bytes both."""
     ids = tokenizer.encode(text) if isinstance(text, str) else []
     if len(ids) < 2:
         raise ValueError(f"text must be a str of at least two tokens, got {text!r:.60}")
@@ -65,16 +66,17 @@ def bits_per_byte(model: torch.nn.Module, tokenizer, text: str,
             logits, _ = model(chunk[:, :-1])
             logp = F.log_softmax(logits.float(), dim=-1)
             nats -= logp.gather(-1, chunk[:, 1:, None]).double().sum().item()
-    scored = len(text.encode("utf-8")) - len(tokenizer.decode(ids[:1]).encode("utf-8"))
-    return BitsPerByte(nats, len(ids) - 1, scored)
+    first = len(tokenizer.decode(ids[:1]).encode("utf-8"))
+    return BitsPerByte(nats, len(ids) - 1, len(text.encode("utf-8")) - first)
 
 
-def split_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def split_pair(tokenizer, context: str, continuation: str
+               ) -> tuple[list[int], list[int]]:
     """``(context ids, continuation ids)`` as lm-evaluation-harness splits them
-    (``_encode_pair``): trailing whitespace of the context moves to the continuation,
-    context + continuation is encoded whole, and the continuation's tokens are those after
-    the context's own encoding. A merge across the boundary can make them differ from the
-    continuation encoded alone."""
+    (``_encode_pair``): trailing whitespace of the context moves to the
+    continuation, context + continuation is encoded whole, and the continuation's
+    tokens are those after the context's own encoding (a merge across the boundary
+    can make them differ from the continuation encoded alone)."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
@@ -83,24 +85,27 @@ def split_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], l
 
 
 @torch.no_grad()
-def continuation_logprobs(model: torch.nn.Module, tokenizer, context: str | Sequence[str],
-                          continuations: Sequence[str], batch_size: int = 16
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed log-probability (float64, shape ``(n,)``) of each of the ``n``
-    ``continuations`` after ``context`` (one string for all, or one per continuation),
-    and the number of continuation tokens (int64, ``(n,)``), split by :func:`split_pair`.
-    Pairs go through the model ``batch_size`` at a time, right-padded (causal attention:
-    padding after a token changes nothing before it), longest first. A pair longer than
-    the context window keeps its last ``context_length + 1`` tokens, as the harness does."""
-    contexts = [context] * len(continuations) if isinstance(context, str) else list(context)
-    ok = isinstance(continuations, (list, tuple)) and len(continuations) == len(contexts) > 0
-    if not ok or not all(isinstance(s, str) for s in [*contexts, *continuations]):
-        raise ValueError("continuations must be a non-empty list of str, and context a str "
-                         "or a list of str of the same length")
+def continuation_logprobs(model: torch.nn.Module, tokenizer,
+                          context: str | Sequence[str], continuations: Sequence[str],
+                          batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed log-probability (float64, ``(n,)``) of each of the ``n``
+    ``continuations`` after ``context`` (one str for all, or one per continuation),
+    and the number of continuation tokens (int64, ``(n,)``), split by
+    :func:`split_pair`. Pairs go through the model ``batch_size`` at a time,
+    longest first, right-padded (causal attention: padding after a token changes
+    nothing before it). A pair longer than the context window keeps its last
+    ``context_length + 1`` tokens, as the harness does."""
+    contexts = ([context] * len(continuations) if isinstance(context, str)
+                else list(context))
+    ok = isinstance(continuations, (list, tuple)) and len(continuations) == len(
+        contexts) > 0 and all(isinstance(s, str) for s in [*contexts, *continuations])
+    if not ok:
+        raise ValueError("continuations must be a non-empty list of str, and context "
+                         "a str or a list of str of the same length")
     check_int("batch_size", batch_size)
     pairs = [split_pair(tokenizer, c, s) for c, s in zip(contexts, continuations)]
     if not all(ctx and cont for ctx, cont in pairs):
-        raise ValueError("every context and continuation must encode to at least one token")
+        raise ValueError("every context and continuation must encode to a token")
     limit, device = model.config.context_length + 1, model_device(model)
     seqs = [(ctx + cont)[-limit:] for ctx, cont in pairs]
     counts = torch.tensor([min(len(cont), limit - 1) for _, cont in pairs])
@@ -109,23 +114,22 @@ def continuation_logprobs(model: torch.nn.Module, tokenizer, context: str | Sequ
     with eval_mode(model):
         for b in range(0, len(order), batch_size):
             rows = order[b:b + batch_size]
-            width = len(seqs[rows[0]])  # the longest in the batch
-            batch = torch.zeros(len(rows), width, dtype=torch.long)
+            batch = torch.zeros(len(rows), len(seqs[rows[0]]), dtype=torch.long)
             for r, i in enumerate(rows):
                 batch[r, :len(seqs[i])] = torch.tensor(seqs[i])
-            logits, _ = model(batch[:, :-1].to(device))
-            logp = F.log_softmax(logits.float(), dim=-1)
-            picked = logp.gather(-1, batch[:, 1:, None].to(device))[..., 0].double().cpu()
-            for r, i in enumerate(rows):  # the last counts[i] targets of the sequence
+            batch = batch.to(device)
+            logp = F.log_softmax(model(batch[:, :-1])[0].float(), dim=-1)
+            picked = logp.gather(-1, batch[:, 1:, None])[..., 0].double().cpu()
+            for r, i in enumerate(rows):  # the last counts[i] targets of the row
                 end = len(seqs[i]) - 1
                 out[i] = picked[r, end - counts[i]:end].sum()
     return out, counts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The chance that at least one of ``k`` samples drawn without replacement from ``n``
-    (``c`` of them correct) is correct, ``1 - C(n - c, k) / C(n, k)``, written as a
-    product that stays in floating-point range (Chen et al. 2021)."""
+    """The chance that at least one of ``k`` samples drawn without replacement from
+    ``n`` (``c`` of them correct) is correct, ``1 - C(n - c, k) / C(n, k)``, written
+    as a product that stays in floating-point range (Chen et al. 2021)."""
     n, k = check_int("n", n), check_int("k", k, maximum=n)
     c = check_int("c", c, minimum=0, maximum=n)
     if n - c < k:
@@ -133,37 +137,39 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval for a proportion ``successes / n``: the proportions p
-    whose normal test ``|successes/n - p| / sqrt(p (1 - p) / n) <= z`` does not reject."""
+def wilson_interval(successes: int, n: int, confidence: float = 0.95
+                    ) -> tuple[float, float]:
+    """The Wilson score interval for a proportion ``successes / n``: the p whose
+    test ``|successes/n - p| <= z sqrt(p (1 - p) / n)`` does not reject."""
     n, s = check_int("n", n), check_int("successes", successes, minimum=0, maximum=n)
-    z = NormalDist().inv_cdf(0.5 + check_number("confidence", confidence, 0, 1, True, True) / 2)
+    confidence = check_number("confidence", confidence, 0, 1, True, True)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
     p, z2 = s / n, z * z / n
     centre = (p + z2 / 2) / (1 + z2)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n)) / (1 + z2)
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def mcnemar_exact(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> tuple[int, int, float]:
-    """Two systems scored on the same items: ``(b, c, p)`` with b the items only A gets
-    right, c those only B gets right, and p the two-sided exact binomial test of b out of
-    b + c at one half (items both get right or both wrong say nothing about which is
-    better)."""
+def mcnemar_exact(a_correct: Sequence[bool], b_correct: Sequence[bool]
+                  ) -> tuple[int, int, float]:
+    """Two systems scored on the same items: ``(b, c, p)``, b the items only A gets
+    right, c those only B gets right, p the two-sided exact binomial test of b out
+    of b + c at one half (items both get right, or both wrong, say nothing about
+    which is better)."""
     if len(a_correct) != len(b_correct):
         raise ValueError(f"a_correct and b_correct must score the same items, got "
                          f"{len(a_correct)} and {len(b_correct)}")
     b = sum(bool(x) and not bool(y) for x, y in zip(a_correct, b_correct))
     c = sum(bool(y) and not bool(x) for x, y in zip(a_correct, b_correct))
-    m = b + c
-    tail = sum(math.comb(m, i) for i in range(min(b, c) + 1)) / 2 ** m
-    return b, c, min(1.0, 2 * tail) if b != c else 1.0
+    tail = sum(math.comb(b + c, i) for i in range(min(b, c) + 1)) / 2 ** (b + c)
+    return b, c, min(1.0, 2 * tail)
 
 
 def calibration(confidence: torch.Tensor, correct: torch.Tensor, bins: int = 10
                 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ece, mean confidence, accuracy, count)`` over ``bins`` equal-width bins of
-    confidence in [0, 1] (bin i holds (i/bins, (i+1)/bins], the first also 0). The expected
-    calibration error is the count-weighted mean of |accuracy - confidence| over bins."""
+    confidence in [0, 1] (bin i holds (i/bins, (i+1)/bins], the first also 0). The
+    expected calibration error is the count-weighted mean |accuracy - confidence|."""
     conf, hit = confidence.double().flatten(), correct.double().flatten()
     index = (torch.ceil(conf * bins).long() - 1).clamp(0, bins - 1)
     count = torch.bincount(index, minlength=bins).double()
@@ -174,8 +180,8 @@ def calibration(confidence: torch.Tensor, correct: torch.Tensor, bins: int = 10
 
 
 def majority_vote(answers: Sequence[object]) -> object:
-    """The most frequent answer (None answers do not vote; ties go to the one seen first);
-    None when no answer votes."""
+    """The most frequent answer (None answers do not vote; ties go to the one seen
+    first); None when no answer votes."""
     votes: dict[object, int] = {}
     for a in answers:
         if a is not None:

@@ -182,7 +182,7 @@ def test_bad_input_raises(smollm2):
         continuation_logprobs(model, tokenizer, "context", [])
     with pytest.raises(ValueError, match="same length"):
         continuation_logprobs(model, tokenizer, ["a", "b"], ["x"])
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(ValueError, match="encode to a token"):
         continuation_logprobs(model, tokenizer, "", ["x"])
     with pytest.raises(ValueError, match="k must be"):
         pass_at_k(5, 2, 6)
