@@ -24,7 +24,7 @@ export PYTHONHASHSEED := 0
 
 NOTEBOOKS := $(sort $(wildcard chapters/*.ipynb))
 
-.PHONY: book test unit nbval execute lock clean venv
+.PHONY: book test unit nbval execute lock clean venv devices
 
 venv: $(STAMP)
 
@@ -55,6 +55,11 @@ unit: $(STAMP)
 
 nbval: $(STAMP)
 	$(BIN)/python -m pytest --nbval $(or $(NB),$(NOTEBOOKS))
+
+# The chapters with device-dependent code run on emulated CUDA (tests/fakecuda): any device or
+# dtype error fails (tools/fake_cuda_chapters.py; .ci/run runs it after the tests).
+devices: $(STAMP)
+	$(BIN)/python tools/fake_cuda_chapters.py
 
 # Re-execute notebooks in place so their committed outputs match the code (NB=chapters/01_tokens.ipynb for one).
 execute: $(STAMP)

@@ -138,8 +138,9 @@ class GPT(nn.Module):
                 start = -ctx if caches is None else caches[0].length
                 logits, _ = self(ids[:, start:], kv_caches=caches, attention_mask=(
                     None if mask is None else mask[:, -ctx:]))  # (B, T', V)
+                seen = ids if mask is None else ids.where(mask == 1, ids[:, -1:])
                 next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p,
-                                      generator, min_p=min_p, previous_ids=ids,
+                                      generator, min_p=min_p, previous_ids=seen,
                                       repetition_penalty=repetition_penalty)  # (B,)
                 if stop_id is not None:  # a row that has stopped grows by padding
                     next_id = next_id.masked_fill(stopped, pad)
@@ -155,8 +156,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def parameter_counts(self) -> dict[str, int]:
-        """Parameters by :data:`COMPONENTS`, summing to :meth:`num_parameters` (``head``
-        is 0 when tied to the embeddings: a tied matrix counts once, as ``tok_emb``)."""
+        """Parameters by :data:`COMPONENTS`; a tied head counts once, in ``tok_emb``."""
         counts = dict.fromkeys(COMPONENTS.values(), 0)
         for name, p in self.named_parameters():  # the first matching part of the name
             counts[next(c for part, c in COMPONENTS.items() if part in name)] += p.numel()

@@ -319,11 +319,13 @@ class RotaryEmbedding(nn.Module):
                 ) -> Tensor:
         """Rotate ``x (..., T, D)`` by positions ``offset … offset+T-1``; with ``n_pad``
         ``(B,)`` (left padding), ``x (B, H, T, D)`` by :func:`padded_positions`."""
+        T = x.shape[-2]
         if n_pad is None:
-            cos, sin = self.cos_sin(x.shape[-2], offset)              # (T, D) each
+            cos, sin = self.cos_sin(T, offset)                        # (T, D) each
         else:  # each row's own positions (B, T) -> (B, 1, T, D), the same for all heads
-            positions = padded_positions(x.shape[-2], offset, n_pad)
-            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+            positions = padded_positions(T, offset, n_pad)  # all below offset + T
+            cos, sin = self.cos_sin(offset + T)
+            cos, sin = cos[positions][:, None], sin[positions][:, None]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return x * cos + rotate_half(x) * sin                         # (..., T, D)
 

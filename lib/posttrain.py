@@ -262,6 +262,7 @@ def reply(model: nn.Module, tokenizer, messages: Sequence[Mapping[str, str]],
     """The model's greedy answer to ``messages`` (chat-formatted by ``tokenizer``):
     generation stops at the end-of-turn token (left out) or after ``max_new_tokens``."""
     prompt, end = tokenizer.encode_chat(messages), tokenizer.end_of_turn_id
-    out = model.generate(torch.tensor([prompt]), max_new_tokens, temperature=0.0, stop_id=end)
+    prompt_ids = torch.tensor([prompt], device=model_device(model))  # where the model is
+    out = model.generate(prompt_ids, max_new_tokens, temperature=0.0, stop_id=end)
     answer = completions(out, len(prompt), end)[0]
     return tokenizer.decode(answer[:-1] if answer[-1:] == [end] else answer)

@@ -32,8 +32,10 @@ def in_colab() -> bool:
 def pick_device(preference: str = "auto") -> torch.device:
     """Return the device to compute on: CUDA if present, then Apple MPS, else CPU.
 
-    ``preference`` forces one of 'cpu', 'cuda', 'mps' (or 'auto'). The environment variable
-    ``GPTBOOK_DEVICE`` overrides 'auto', which lets CI and readers pin the CPU path.
+    ``preference`` asks for one of 'cpu', 'cuda', 'mps' (or 'auto'). The environment variable
+    ``GPTBOOK_DEVICE`` overrides 'auto', which lets CI and readers pin the CPU path. MPS is
+    untested: it is used only when a probe of the chapters' ops (:func:`_ops_probe`) runs there,
+    else the CPU, and either way one printed line says so.
     """
     if preference == "auto":
         preference = os.environ.get("GPTBOOK_DEVICE", "auto")
@@ -43,10 +45,35 @@ def pick_device(preference: str = "auto") -> torch.device:
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     available = {"cuda": torch.cuda.is_available(), "mps": mps, "cpu": True}
     if preference == "auto":
-        return torch.device(next(d for d in ("cuda", "mps", "cpu") if available[d]))
-    if not available[preference]:
+        preference = next(d for d in ("cuda", "mps", "cpu") if available[d])
+    elif not available[preference]:
         raise ValueError(f"device {preference!r} was asked for, but torch finds none")
+    if preference == "mps":  # untested: used only when the ops the chapters need run there
+        failure = _ops_probe(torch.device("mps"))
+        outcome = f"using the CPU ({failure})" if failure else "its ops ran in a probe, using mps"
+        print(f"Apple MPS is untested with this book: {outcome}. GPTBOOK_DEVICE=cpu picks the CPU.")
+        return torch.device("cpu" if failure else "mps")
     return torch.device(preference)
+
+
+def _ops_probe(mps: torch.device) -> str | None:
+    """None when a small run of the ops the chapters use works on ``mps``, else what failed: causal
+    SDPA, float32 and bfloat16 matmuls, cross-entropy's backward, AdamW, top-k and sampling.
+    Fixed inputs and its own generator, so the global random state is untouched."""
+    try:
+        x = torch.linspace(-1.0, 1.0, 32, device=mps).reshape(4, 8)
+        q = x.reshape(1, 2, 2, 8)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            x.to(dtype) @ x.to(dtype).T
+        w = x.T[:, :3].clone().requires_grad_()
+        torch.nn.functional.cross_entropy(x @ w, torch.tensor([0, 1, 2, 0], device=mps)).backward()
+        torch.optim.AdamW([w]).step()
+        probs = torch.softmax(w.detach().topk(2, dim=-1).values, dim=-1)
+        torch.multinomial(probs, 1, generator=torch.Generator(device=mps).manual_seed(0))
+    except Exception as exc:  # any failure means: not this device
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+    return None
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -66,6 +93,7 @@ class Env:
     colab: bool
     root: Path = field(default=ROOT)
     seed: int = 0
+    emulated: bool = False  # CUDA emulated on a CPU (GPTBOOK_FAKE_CUDA=1): CPU-sized settings
 
     @property
     def accelerated(self) -> bool:
@@ -74,7 +102,7 @@ class Env:
 
     def pick(self, cpu: T, gpu: T) -> T:
         """The one switch between small CPU settings (what CI runs) and larger GPU settings."""
-        return gpu if self.accelerated else cpu
+        return gpu if self.accelerated and not self.emulated else cpu
 
 
 def _install_requirements_on_colab(root: Path) -> None:
@@ -88,10 +116,21 @@ def _install_requirements_on_colab(root: Path) -> None:
 
 
 def setup(seed: int = 0, device: str = "auto") -> Env:
-    """Prepare a chapter: install on Colab, choose the device, seed, set print and figure style."""
+    """Prepare a chapter: install on Colab, choose the device, seed, set print and figure style.
+
+    With ``GPTBOOK_FAKE_CUDA=1`` (a test switch: ``tools/fake_cuda_chapters.py``) the device
+    is CUDA emulated on the CPU by ``tests/fakecuda`` while ``Env.pick`` keeps the CPU
+    settings, so CI runs every device-dependent line of a chapter at CPU sizes.
+    """
     colab = in_colab()
     if colab:
         _install_requirements_on_colab(ROOT)
+    emulated = os.environ.get("GPTBOOK_FAKE_CUDA") == "1"
+    if emulated:  # a test switch (tools/fake_cuda_chapters.py): CUDA emulated on the CPU
+        from tests.fakecuda import activate_from_env
+
+        activate_from_env()
+        device = "cuda"
     seed_everything(seed)
     torch.set_printoptions(precision=4, sci_mode=False, linewidth=100)
     np.set_printoptions(precision=4, suppress=True, linewidth=100)
@@ -99,7 +138,7 @@ def setup(seed: int = 0, device: str = "auto") -> Env:
     from lib import plotting
 
     plotting.use_style()
-    return Env(device=pick_device(device), colab=colab, seed=seed)
+    return Env(device=pick_device(device), colab=colab, seed=seed, emulated=emulated)
 
 
 def glue(name: str, value: Any, display: bool = False) -> None:

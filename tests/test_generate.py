@@ -18,6 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from lib.attention import attention_mask  # noqa: E402
 from lib.model import GPT, completions, left_pad  # noqa: E402
+from lib.positional import RotaryEmbedding  # noqa: E402
 from lib.pretrained import from_hf  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -68,7 +69,7 @@ def ours(model, ids, mask, n, stop=None, pad=PAD, seed=None, use_cache=True, **s
     if seed is not None:
         torch.manual_seed(seed)
     return model.generate(ids, n, attention_mask=mask, stop_id=stop, pad_id=pad, use_cache=use_cache,
-                          **({"temperature": 0.0} if seed is None else sampling))
+                          **({"temperature": 0.0, **sampling} if seed is None else sampling))
 
 
 def test_left_pad_is_what_a_left_padding_tokenizer_gives():
@@ -163,6 +164,25 @@ def test_rope_rotates_each_row_by_transformers_positions():
     torch.testing.assert_close(rope(q[:, :, :1], 7, n_pad), q_hf)
 
 
+def test_rope_on_padded_rows_past_its_table_equals_transformers():
+    """Asked past its ``context_length``, RotaryEmbedding computes the later positions; padded rows
+    too: a 4-position table rotates the 7-token padded batch, and the cached step at index 7,
+    by transformers' positions, as the unpadded path rotates a row that has no padding."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    hf = llama()
+    rope = RotaryEmbedding(16, 10000.0, context_length=4)
+    ids, mask = left_pad(PROMPTS, pad_id=PAD)
+    n_pad = (mask == 0).sum(1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    q, k = torch.randn(2, 4, 4, 8, 16).unbind(0)  # (B, H, T, D): 7 prompt tokens, 1 step
+    for offset, cut in ((0, slice(0, 7)), (7, slice(7, 8))):
+        steps = positions[:, -1:] + 1 if offset else positions
+        cos, sin = LlamaRotaryEmbedding(hf.config)(q, steps)
+        expected, _ = apply_rotary_pos_emb(q[:, :, cut], k[:, :, cut], cos, sin)
+        torch.testing.assert_close(rope(q[:, :, cut], offset, n_pad), expected)
+    torch.testing.assert_close(rope(q[:1], 0, n_pad[:1]), rope(q[:1], 0))  # row 0: no padding
+
 def test_cpu_kernels_model_takes_padded_batches_through_the_parent_path():
     hf = llama()
     model = from_hf(hf.state_dict(), hf.config.to_dict())
@@ -249,3 +269,21 @@ def test_bad_left_pad_and_completions_arguments():
         completions(torch.zeros(2, 3, dtype=torch.long), 4)
     assert completions(torch.tensor([[9, 1, 2, 5, 5], [9, 3, 4, 4, 7]]), 1, stop_id=5) == [
         [1, 2, 5], [3, 4, 4, 7]]
+
+
+def test_repetition_penalty_counts_a_row_s_tokens_not_its_padding(pair):
+    """Under a repetition penalty a padded batch still equals transformers' generate, greedy, and
+    each row what its prompt gets alone: transformers too leaves the padding out (generate hands
+    its RepetitionPenaltyLogitsProcessor each row's padding length as prompt_ignore_length). The
+    pad id is the first token the shortest prompt draws alone, so a penalty that counted padding
+    would change that row."""
+    hf, model = pair
+    alone = [theirs(hf, torch.tensor([p]), None, 8, repetition_penalty=3.0) for p in PROMPTS]
+    pad = int(alone[1][0, len(PROMPTS[1])])
+    ids, mask = left_pad(PROMPTS, pad_id=pad)
+    expected = theirs(hf, ids, mask, 8, pad=pad, repetition_penalty=3.0)
+    assert [row[ids.size(1):] for row in expected.tolist()] == [
+        a[0, len(p):].tolist() for a, p in zip(alone, PROMPTS)]
+    for use_cache in (True, False):
+        out = ours(model, ids, mask, 8, pad=pad, use_cache=use_cache, repetition_penalty=3.0)
+        assert torch.equal(out, expected)

@@ -59,3 +59,8 @@ def test_public_names_exist():
         module = importlib.import_module(f"lib.{short}")
         for name in lib_api.public_names(module):
             assert hasattr(module, name), f"lib.{short}.__all__ names {name}, which is missing"
+
+
+def test_the_page_is_what_the_tool_writes_now():
+    """Docstrings and signatures too, not just names: run tools/lib_api.py after a change."""
+    assert lib_api.DOC.read_text() == lib_api.render(), "docs/lib_api.md is stale: run tools/lib_api.py"

@@ -2,6 +2,8 @@
 in lib.training.configure_optimizer / TrainConfig(optimizer='muon')."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -294,7 +296,11 @@ def test_muon_groups_match_torch_optimizers():
     b = torch.nn.Parameter(torch.randn(12))
     w_ref, b_ref = (torch.nn.Parameter(t.detach().clone()) for t in (w, b))
     ours = MuonAdamW([{"params": [w], "use_muon": True}, {"params": [b]}], lr=0.02, weight_decay=0.1)
-    muon = torch.optim.Muon([w_ref], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    # lib's Newton-Schulz uses addmm, as torch 2.13's Muon always does; a torch where it is an option
+    # (use_addmm, which rounds differently in bfloat16) is asked for it explicitly
+    addmm = {"use_addmm": True} if "use_addmm" in inspect.signature(torch.optim.Muon).parameters else {}
+    muon = torch.optim.Muon([w_ref], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
+                            **addmm)
     adamw = torch.optim.AdamW([b_ref], lr=0.02, weight_decay=0.1, betas=(0.9, 0.95))
     for _ in range(4):
         gw, gb = torch.randn(8, 12), torch.randn(12)

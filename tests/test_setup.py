@@ -40,6 +40,39 @@ def test_pick_device_cuda_without_cuda_is_a_clear_error():
         S.pick_device("cuda")
 
 
+def _pretend_mps_only(monkeypatch, probe_result):
+    monkeypatch.delenv("GPTBOOK_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(S, "_ops_probe", lambda device: probe_result)
+
+
+def test_pick_device_on_mps_uses_it_only_when_the_probe_passes(monkeypatch, capsys):
+    """MPS is untested: a failing probe of the chapters' ops falls back to the CPU, a passing one
+    keeps MPS, and either way one line says so."""
+    _pretend_mps_only(monkeypatch, "RuntimeError: an op is not implemented for 'MPS'")
+    assert S.pick_device() == torch.device("cpu")
+    assert S.pick_device("mps") == torch.device("cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all("untested" in l and "using the CPU" in l and
+                                   "not implemented" in l for l in lines), lines
+    _pretend_mps_only(monkeypatch, None)
+    assert S.pick_device() == torch.device("mps")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "untested" in line and "using mps" in line
+
+
+def test_ops_probe_passes_on_the_cpu_and_reports_a_missing_mps():
+    """The real probe: on the CPU every op runs (so a working MPS would pass it too); on a
+    machine without MPS it fails with one line saying why, and never touches the global RNG."""
+    state = torch.get_rng_state()
+    assert S._ops_probe(torch.device("cpu")) is None
+    if not torch.backends.mps.is_available():
+        failure = S._ops_probe(torch.device("mps"))
+        assert failure and len(failure.splitlines()) == 1
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_setup_returns_env_and_sets_print_options(monkeypatch):
     monkeypatch.delenv("GPTBOOK_DEVICE", raising=False)
     env = S.setup(seed=7, device="cpu")

@@ -122,7 +122,8 @@ def render() -> str:
         out += ["", f"## lib.{short}", "", first_paragraph(module), ""]
         for name in public_names(module):
             out += entry(module, name)
-    return "\n".join(out).rstrip() + "\n"
+    # paths under the checkout print relative to it, so the page is the same in every clone
+    return "\n".join(out).rstrip().replace(str(ROOT), "<repo>") + "\n"
 
 
 def main() -> None:

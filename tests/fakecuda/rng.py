@@ -1,0 +1,41 @@
+"""The stand-in for CUDA's random generator: a CPU generator of its own, so that seeding,
+saving and restoring "the CUDA state" (lib.checkpoint, fork_rng, dropout on the device) is a
+stream apart from the CPU's, as on a GPU (its numbers differ from a real GPU's)."""
+from __future__ import annotations
+
+import torch
+
+GENERATOR = torch.Generator()
+GENERATOR.manual_seed(torch.initial_seed())
+
+
+def patch(cuda) -> None:
+    cuda.manual_seed = lambda seed: GENERATOR.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: GENERATOR.manual_seed(int(seed))
+    cuda.seed = lambda: GENERATOR.seed()
+    cuda.seed_all = lambda: GENERATOR.seed()
+    cuda.initial_seed = lambda: GENERATOR.initial_seed()
+    cuda.get_rng_state = lambda device="cuda": GENERATOR.get_state()
+    cuda.set_rng_state = lambda state, device="cuda": GENERATOR.set_state(state.cpu())
+    cuda.get_rng_state_all = lambda: [GENERATOR.get_state()]
+    cuda.set_rng_state_all = lambda states: GENERATOR.set_state(states[0].cpu())
+    import torch.cuda.random as cuda_random
+
+    for name in ("manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state",
+                 "get_rng_state_all", "set_rng_state_all", "seed", "seed_all", "initial_seed"):
+        setattr(cuda_random, name, getattr(cuda, name))
+
+
+class use_cuda_stream:
+    """Within: torch's default CPU generator draws CUDA's stream (then both are put back)."""
+
+    def __enter__(self):
+        default = torch.default_generator
+        self.cpu_state = default.get_state()
+        default.set_state(GENERATOR.get_state())
+
+    def __exit__(self, *exc):
+        default = torch.default_generator
+        GENERATOR.set_state(default.get_state())
+        default.set_state(self.cpu_state)
+        return False

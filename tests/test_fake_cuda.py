@@ -1,0 +1,82 @@
+"""The book's CUDA paths checked on a CPU-only machine, through tests/fakecuda (a C++ shim that
+gives the CPU build a CUDA device guard and hooks, built here with g++; see its docstring).
+
+Each check runs in its own Python process, since the shim must be loaded before torch is
+imported: ``python -m tests.fakecuda --capability C ...``. Capability 7.5 is Colab's T4 (lib
+trains it in float32), 8.0 an A100 (bf16 autocast). Without g++ or with another torch than the
+shim was written for, the tests skip saying why; under ``CI=true`` they fail instead."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import fakecuda
+
+ROOT = Path(__file__).resolve().parent.parent
+CAPABILITIES = ["7.5", "8.0"]
+
+
+@pytest.fixture(scope="module")
+def shim():
+    start = time.perf_counter()
+    path = fakecuda.shim_or_skip()
+    print(f"fake-CUDA shim ready in {time.perf_counter() - start:.1f} s: {path}")
+    return path
+
+
+def run_emulated(capability: str, *pytest_args: str, wrapper: bool = True
+                 ) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "tests.fakecuda", "--capability", capability,
+               *([] if wrapper else ["--no-wrapper"]), "-q", "-p", "no:cacheprovider",
+               *pytest_args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=fakecuda.subprocess_env(capability))
+
+
+def _summary(done: subprocess.CompletedProcess) -> str:
+    lines = [line for line in done.stdout.splitlines() if "registered at" not in line]
+    return "\n".join(lines[-60:]) + "\n" + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_fake_mode_checks(shim, capability):
+    """tests/fakecuda/fake_mode_checks.py: the GPU profile's step (devices, dtypes, fused
+    AdamW), the compiled forward with fullgraph=True, a CPU tensor raising, and the peak
+    memory of every gpu= setting against a T4's budget."""
+    done = run_emulated(capability, "tests/fakecuda/fake_mode_checks.py", wrapper=False)
+    assert done.returncode == 0, _summary(done)
+    assert "7 passed" in done.stdout, _summary(done)
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_the_gpu_tests_pass_on_emulated_cuda(shim, capability):
+    """tests/test_cuda.py (skipped in a plain CPU run) on fake CUDA whose tensors hold CPU
+    values: training with amp/compile/fused AdamW, bf16 generation, resuming the CUDA random
+    state. A batch left on the CPU, a model not moved, or a generator state not restored
+    fails here as on a GPU (compile runs eagerly: its tracing is test_fake_mode_checks')."""
+    done = run_emulated(capability, "tests/test_cuda.py")
+    assert done.returncode == 0, _summary(done)
+    assert "4 passed" in done.stdout, _summary(done)
+
+
+def test_the_chapter_switch_gives_cuda_with_cpu_settings(shim):
+    """GPTBOOK_FAKE_CUDA=1 (tools/fake_cuda_chapters.py): a chapter's setup() returns CUDA as
+    its device while env.pick keeps the CPU value, and a CPU tensor meeting a model moved to
+    env.device raises as on a GPU."""
+    code = ("from lib.setup import setup; import torch\n"
+            "env = setup()\n"
+            "layer = torch.nn.Linear(3, 2).to(env.device)\n"
+            "print(env.device.type, env.pick(cpu='small', gpu='large'),\n"
+            "      layer(torch.ones(1, 3, device=env.device)).device)\n"
+            "try:\n    layer(torch.ones(1, 3))\nexcept RuntimeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300,
+                          env=fakecuda.subprocess_env("7.5", GPTBOOK_FAKE_CUDA="1"))
+    assert done.returncode == 0, _summary(done)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "cuda small cuda:0"
+    assert "same device" in lines[1]
