@@ -103,7 +103,7 @@ def test_bits_per_byte_of_a_character_model_is_its_loss_over_ln2():
                for c in chunks)
     assert result.tokens == result.bytes == len(text) - 1
     assert result.nats == pytest.approx(nats, rel=1e-6)
-    # bits per byte from F.cross_entropy's nats and the UTF-8 bytes after the first
+    # the bpb property: F.cross_entropy's nats / ln 2 / the UTF-8 bytes after the first
     assert result.bpb == pytest.approx(nats / math.log(2) / (len(text.encode()) - 1), rel=1e-6)
 
 
