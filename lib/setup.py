@@ -120,7 +120,7 @@ def setup(seed: int = 0, device: str = "auto") -> Env:
 
     With ``GPTBOOK_FAKE_CUDA=1`` (a test switch: ``tools/fake_cuda_chapters.py``) the device
     is CUDA emulated on the CPU by ``tests/fakecuda`` while ``Env.pick`` keeps the CPU
-    settings, so CI runs every device-dependent line of a chapter at CPU sizes.
+    settings, so a chapter's device handling runs in CI at CPU sizes (12a's, for the budget).
     """
     colab = in_colab()
     if colab:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from tests import fakecuda  # noqa: E402
 
-# What CI runs. Chapters with device-dependent code are 11, 12a and A1 (env.device); 06 and A4
-# only pick sizes with env.pick, which keeps the CPU values here. 12a (688 s of kernel CPU on a
+# What CI runs. Chapters with device-dependent code are 11, 12a and A1 (env.device); no other
+# chapter uses env.device or env.pick. 12a (688 s of kernel CPU on a
 # loaded 2-core machine, 0 errors; with its cell-67 bug back, cell 67 raises the device
 # error) is what fits CI's budget today. A1 was run once by hand (2026-11-26, load ~4: 398 s wall,
 # 271 s of kernel CPU, 0 cells raised); 11 (a long training run) has not been run emulated yet.

@@ -1,7 +1,8 @@
 """Fake CUDA on a CPU-only torch build: the book's GPU code paths exercised in CPU CI.
 
-Nothing here touches a GPU. Three layers, used by ``tests/test_fake_cuda.py``,
-``tests/test_cuda_emulated.py`` and ``tools/fake_cuda_chapters.py``:
+Nothing here touches a GPU. Three layers, used by ``tests/test_fake_cuda.py`` (which also runs
+``tests/test_cuda.py`` this way), the ``GPTBOOK_FAKE_CUDA`` switch of ``lib.setup`` and
+``tools/fake_cuda_chapters.py``:
 
 1. ``shim.cpp``, compiled with g++ against the installed torch into a cache directory
    (:func:`build_shim`) and loaded before ``import torch`` (:func:`load_shim`, or
@@ -171,7 +172,9 @@ def patch_torch_cuda(capability: tuple[int, int] = (8, 0)) -> None:
     cuda.init = lambda: None
     cuda.get_device_capability = lambda device=None: capability
     cuda.get_device_name = lambda device=None: name
-    cuda.is_bf16_supported = lambda including_emulation=True: capability >= (8, 0)
+    # as torch's: a T4 (7.5) answers True unless emulation is excluded (lib checks 8.0 itself)
+    cuda.is_bf16_supported = lambda including_emulation=True: (
+        capability >= (8, 0) or including_emulation)
     cuda.get_arch_list = lambda: [f"sm_{capability[0]}{capability[1]}"]
     cuda.mem_get_info = lambda device=None: (memory, memory)
     for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved",

@@ -7,8 +7,9 @@ results; a CPU tensor with dimensions meeting it outside the copying ops raises 
 raises ("Expected all tensors to be on the same device ..."), as a 0-dim CPU tensor (a scalar)
 does not, as on a GPU. Random ops on the device draw from :mod:`tests.fakecuda.rng`'s stream.
 Factories asked for ``device="cuda"`` reach this module through kernels registered for the
-CUDA dispatch key (a CPU-only build has none): ``empty`` and ``empty_strided``, which torch's
-other factories and ``.to("cuda")`` build on. CPU tensors never leave torch's C++ path.
+CUDA dispatch key (a CPU-only build has none): the factories in ``FACTORIES`` (``empty``,
+``empty_strided``, ``zeros``, ``ones``, ``arange`` and the rest, since not every factory goes
+through ``empty``) and ``as_strided``. CPU tensors never leave torch's C++ path.
 """
 from __future__ import annotations
 
