@@ -56,8 +56,9 @@ unit: $(STAMP)
 nbval: $(STAMP)
 	$(BIN)/python -m pytest --nbval $(or $(NB),$(NOTEBOOKS))
 
-# The chapters with device-dependent code run on emulated CUDA (tests/fakecuda): any device or
-# dtype error fails (tools/fake_cuda_chapters.py; .ci/run runs it after the tests).
+# Chapter 12a runs on emulated CUDA (tests/fakecuda): any device or dtype error fails
+# (tools/fake_cuda_chapters.py; .ci/run runs it after the tests). 11 and A1 also use env.device
+# and are not run here, for the CI budget.
 devices: $(STAMP)
 	$(BIN)/python tools/fake_cuda_chapters.py
 

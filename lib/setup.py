@@ -100,7 +100,7 @@ class Env:
         """True on a GPU (CUDA or MPS): chapters then use their larger settings."""
         return self.device.type in ("cuda", "mps")
 
-    def pick(self, cpu: T, gpu: T) -> T:
+    def pick(self, *, cpu: T, gpu: T) -> T:
         """The one switch between small CPU settings (what CI runs) and larger GPU settings."""
         return gpu if self.accelerated and not self.emulated else cpu
 

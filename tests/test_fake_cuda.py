@@ -46,8 +46,9 @@ def _summary(done: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_fake_mode_checks(shim, capability):
     """tests/fakecuda/fake_mode_checks.py: the GPU profile's step (devices, dtypes, fused
-    AdamW), the compiled forward with fullgraph=True, a CPU tensor raising, and the peak
-    memory of every gpu= setting against a T4's budget."""
+    AdamW), the compiled forward with fullgraph=True, a CPU tensor raising, every chapter's
+    gpu= line filed in GPU_SETTINGS, and the peak memory of the one that changes a step's
+    size (chapter 11's GPU profile) against a T4's budget."""
     done = run_emulated(capability, "tests/fakecuda/fake_mode_checks.py", wrapper=False)
     assert done.returncode == 0, _summary(done)
     assert re.search(r"^\d+ passed in ", done.stdout, re.M), _summary(done)  # none skipped

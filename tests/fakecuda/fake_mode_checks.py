@@ -29,7 +29,7 @@ AMP_DTYPE = torch.bfloat16 if CAPABILITY >= (8, 0) else torch.float32
 # MemTracker counts tensors only (the caching allocator's fragmentation, cuBLAS workspaces and
 # torch.compile's buffers are not in it), while on fake CUDA attention takes SDPA's math path
 # and keeps every head's full score matrix, which a T4's memory-efficient kernel does not
-# (measured: 11's GPU profile 4.14 GiB here, 3.01 GiB with a stand-in that saves only q, k, v
+# (measured at capability 7.5: 11's GPU profile 4.14 GiB here, 3.01 GiB with a stand-in that saves only q, k, v
 # and the output). So the peak is neither a floor nor a ceiling; MARGIN = 2 is a judgement,
 # not a measurement, and no real GPU has checked it yet.
 T4_USABLE_BYTES = 15e9
