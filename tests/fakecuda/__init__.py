@@ -17,7 +17,8 @@ Nothing here touches a GPU. Three layers, used by ``tests/test_fake_cuda.py`` (w
    no values) or :mod:`tests.fakecuda.wrapper` (real CPU values behind a ``cuda:0`` face, for
    code that reads values: training, generation, the chapters).
 
-Limits: CPU numerics (SDPA takes the math path, no TF32), no asynchronous copies, one device;
+Limits: CPU numerics (SDPA takes the math path, no TF32), no asynchronous copies, one device,
+CPU generators for the device (a generator on the wrong device is not caught);
 ``torch.compile`` is traced (FakeTensorMode, ``aot_eager``) but runs eagerly under the wrapper.
 The shim and the dispatcher details it relies on are private torch APIs: they are pinned to
 :data:`TORCH_VERSION`; elsewhere the callers skip, and fail when ``CI=true``.

@@ -1,5 +1,7 @@
 """Tensors that claim ``cuda:0`` and hold real CPU values: CUDA code that reads values (train,
-generate, evaluate, the chapters) runs on the CPU while every device rule a GPU enforces holds.
+generate, evaluate, the chapters) runs on the CPU while the rule that tensors of one op share a
+device holds as on a GPU. Random generators are not checked: the shim hands out CPU generators, so
+a CPU generator driving a draw on the device (which a GPU refuses) passes here.
 
 :class:`CudaTensor` is a wrapper subclass (``_make_wrapper_subclass`` with ``device=cuda:0``)
 around a CPU tensor. Its ``__torch_dispatch__`` unwraps, runs the CPU kernel and wraps the
