@@ -1,13 +1,16 @@
 """Tensors that claim ``cuda:0`` and hold real CPU values: CUDA code that reads values (train,
 generate, evaluate, the chapters) runs on the CPU while the rule that tensors of one op share a
-device holds as on a GPU. Random generators are not checked: the shim hands out CPU generators, so
-a CPU generator driving a draw on the device (which a GPU refuses) passes here.
+device holds, for tensors with dimensions, as on a GPU. Two gaps: random generators are not
+checked (the shim hands out CPU generators, so a CPU generator driving a draw on the device,
+which a GPU refuses, passes here), and a 0-dim CPU tensor passes every op here, while a GPU
+accepts it only in the ops without a device check (elementwise ones such as ``add``, ``where``,
+``masked_fill``) and refuses it in e.g. ``index_select``/``embedding``, ``mm``, ``gather``.
 
 :class:`CudaTensor` is a wrapper subclass (``_make_wrapper_subclass`` with ``device=cuda:0``)
 around a CPU tensor. Its ``__torch_dispatch__`` unwraps, runs the CPU kernel and wraps the
 results; a CPU tensor with dimensions meeting it outside the copying ops raises the error a GPU
-raises ("Expected all tensors to be on the same device ..."), as a 0-dim CPU tensor (a scalar)
-does not, as on a GPU. Random ops on the device draw from :mod:`tests.fakecuda.rng`'s stream.
+raises ("Expected all tensors to be on the same device ..."); a 0-dim CPU tensor (a scalar)
+does not, in any op (see above). Random ops on the device draw from :mod:`tests.fakecuda.rng`'s stream.
 Factories asked for ``device="cuda"`` reach this module through kernels registered for the
 CUDA dispatch key (a CPU-only build has none): the factories in ``FACTORIES`` (``empty``,
 ``empty_strided``, ``zeros``, ``ones``, ``arange`` and the rest, since not every factory goes
