@@ -19,7 +19,7 @@ Nothing here touches a GPU. Three layers, used by ``tests/test_fake_cuda.py`` (w
 
 Limits: CPU numerics (SDPA takes the math path, no TF32), no asynchronous copies, one device,
 CPU generators for the device (a generator on the wrong device is not caught), and a 0-dim CPU
-tensor accepted in every op (a GPU refuses it outside the elementwise ops);
+tensor accepted in every op (a GPU accepts it only in the ops without a device check);
 ``torch.compile`` is traced (FakeTensorMode, ``aot_eager``) but runs eagerly under the wrapper.
 The shim and the dispatcher details it relies on are private torch APIs: they are pinned to
 :data:`TORCH_VERSION`; elsewhere the callers skip, and fail when ``CI=true``.
@@ -39,7 +39,7 @@ TORCH_VERSION = "2.13.0"  # the torch these private APIs were written and checke
 SHIM_ENV = "GPTBOOK_FAKE_CUDA_SHIM"  # set by load_shim / the runners: the loaded library's path
 CAPABILITY_ENV = "GPTBOOK_FAKE_CUDA_CAPABILITY"  # "8.0" or "7.5" in the emulated process
 
-# GPUs by compute capability: name and memory as the real devices report them.
+# GPUs by compute capability: memory as the real devices report it; the name marked fake.
 DEVICES = {(7, 5): ("Tesla T4 (fake CUDA)", 15_828_320_256),
            (8, 0): ("NVIDIA A100-SXM4-40GB (fake CUDA)", 42_298_834_944)}
 
