@@ -3,9 +3,9 @@ generate, evaluate, the chapters) runs on the CPU while the rule that tensors of
 device holds, for tensors with dimensions, as on a GPU. Two gaps: random generators are not
 checked (the shim hands out CPU generators, so a CPU generator driving a draw on the device,
 which a GPU refuses, passes here), and a 0-dim CPU tensor passes every op here, while a GPU
-accepts it only in the ops without a device check (``device_check: NoCheck`` in
-native_functions.yaml: ``add``, ``where``, ``masked_fill`` ...) and refuses it in the others,
-e.g. ``index_select``/``embedding``, ``gather``, ``addmm``'s bias, ``clamp`` with a tensor bound.
+accepts it only where no device check applies (e.g. ``add``, ``mul``) and refuses it in ops
+that check, e.g. ``index_select``/``embedding``, ``gather``, ``addmm``'s bias, ``clamp`` with a
+tensor bound, ``masked_fill``'s mask.
 
 :class:`CudaTensor` is a wrapper subclass (``_make_wrapper_subclass`` with ``device=cuda:0``)
 around a CPU tensor. Its ``__torch_dispatch__`` unwraps, runs the CPU kernel and wraps the
