@@ -334,7 +334,8 @@ def test_the_built_book_in_a_browser(browser):
     assert not result.problems, "\n" + report(result.problems)
     # The checks ran over something: pages at both widths, math, listings, links, references.
     chapters = len(list((ROOT / "chapters").glob("*.ipynb")))
-    assert result.counts["pages"] == 2 * len(built_pages(HTML))
+    # every chapter page and the front page were read at both widths (not the crawl's own list)
+    assert result.counts["pages"] >= 2 * (chapters + 1)
     assert result.counts["Colab links"] == chapters
     for kind in ("math elements", "code and output blocks", "internal links",
                  "figure and equation references", "images"):

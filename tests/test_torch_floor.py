@@ -13,7 +13,9 @@ runtimes a notebook can pin go back to 2.6), while CI runs the locked 2.13. So:
   ``from torch... import``), every keyword passed to a torch callable and every ``Tensor``/
   ``Module``/``Optimizer`` method called (``x.m(...)``) must be in ``SINCE`` or in
   ``torch_api_baseline.txt`` (APIs of torch 2.0 or earlier). A new API fails here until
-  someone looks up its version and files it.
+  someone looks up its version and files it. Not seen by the scan: a Tensor property read
+  without a call (``x.nbytes``, ``x.mT``) and a keyword passed to a method
+  (``m.load_state_dict(sd, assign=True)``); those are filed by hand (``Tensor.nbytes``, 2.1).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ SINCE: dict[str, tuple[str, str]] = {
     "torch.nn.functional.scaled_dot_product_attention(dropout_p=)": ("2.0", "as above"),
     "torch.nn.functional.scaled_dot_product_attention(is_causal=)": ("2.0", "as above"),
     "Tensor.untyped_storage": ("2.0", "PyTorch 2.0: TypedStorage deprecated for it"),
+    "Tensor.nbytes": ("2.1", "pytorch#98322, merged 2023-04-05, after 2.0.0"),
     "torch._dynamo.explain": ("2.1", "2.1 release notes: explain(fn)(*args), the form used"),
     "torch.utils.flop_counter.FlopCounterMode": ("2.1", "public torch.utils.flop_counter"),
     "torch.utils.flop_counter.FlopCounterMode(display=)": ("2.1", "as above"),
