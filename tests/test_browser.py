@@ -373,16 +373,24 @@ def test_each_check_can_fail(browser, tmp_path):
         '<a class="reference internal" href="good.html#equation-x">(1.1)</a>'
         '<img src="_images/missing.png"> <p>left as typed: $x^2$</p>'
         '<span class="math">\\(y\\)</span>'
-        '<script>console.error("boom")</script></article>'
+        '<img src="https://example.invalid/off-host.png">'
+        '<script>console.error("boom")</script><script>throw new Error("uncaught")</script>'
+        '</article>'
         '<div style="width: 2000px">a page wider than any window</div></body></html>')
     result = crawl(browser, tmp_path, wide_by_nature={"good:cell #0 input": "stale"})
     kinds = set(result.problems)
     assert {"wider than its box at 1280 px", "broken internal link",
             "reference to a missing element", "image does not load", "console error",
             "failed request", "raw TeX in the text", "math not typeset", "page scrolls sideways",
-            "WIDE_BY_NATURE entry that fits now (drop it)"} <= kinds, report(result.problems)
+            "WIDE_BY_NATURE entry that fits now (drop it)", "script error",
+            "request to another host"} <= kinds, report(result.problems)
     assert any("bad:cell #0 input" in m for m in result.problems["wider than its box at 1280 px"])
     assert any("missing.html" in m for m in result.problems["broken internal link"])
     assert any("good.html#nowhere" in m for m in result.problems["broken internal link"])
     good_only = {k: [m for m in v if m.startswith("good.html")] for k, v in result.problems.items()}
     assert not any(good_only.values()), report(good_only)
+    # a chapter page whose launch button points elsewhere, or is missing
+    colab = Crawl()
+    check_colab(colab, "chapters/01_tokens.html", [])
+    check_colab(colab, "chapters/01_tokens.html", ["https://colab.research.google.com/x.ipynb"])
+    assert len(colab.problems.get("Colab link", [])) == 2
