@@ -123,7 +123,7 @@ def _gpu_profile_peak() -> int:
 # one that changes a step's size (11's GPU profile) is measured.
 GPU_SETTINGS = {
     "11_training": {
-        "gpu=gpu_profile(V, max_steps=3000))": _gpu_profile_peak,
+        "gpu=gpu_profile(V, max_steps=1000))": _gpu_profile_peak,
         "over_cfg = TrainConfig(max_steps=env.pick(cpu=300, gpu=1500), batch_size=16,": None,
         "eval_interval=env.pick(cpu=20, gpu=100), eval_batches=4, seed=0,": None},
     "12a_architecture_training": {
