@@ -82,3 +82,35 @@ def test_the_chapter_switch_gives_cuda_with_cpu_settings(shim):
     lines = done.stdout.splitlines()
     assert lines[0] == "cuda small cuda:0"
     assert "same device" in lines[1]
+
+
+def test_a_random_draw_needs_a_generator_of_its_own_device(shim):
+    """As on a GPU: a CPU generator cannot drive a draw on the device, nor the device's
+    generator a draw on the CPU (torch's "Expected a 'cuda' device type for generator" error);
+    ``torch.Generator("cuda")`` reports ``cuda:0`` and repeats its draws after the same seed."""
+    code = ("from tests import fakecuda; fakecuda.activate_from_env(); import torch\n"
+            "probs = torch.ones(2, 3, device='cuda')\n"
+            "def gen(device): return torch.Generator(device).manual_seed(0)\n"
+            "draws = {\n"
+            " 'cpu-on-cuda multinomial': lambda: torch.multinomial(probs, 1, generator=gen('cpu')),\n"
+            " 'cpu-on-cuda randn': lambda: torch.randn(2, device='cuda', generator=gen('cpu')),\n"
+            " 'cuda-on-cpu randn': lambda: torch.randn(2, generator=gen('cuda')),\n"
+            " 'cuda-on-cuda uniform_': lambda: probs.clone().uniform_(generator=gen('cuda')),\n"
+            " 'cuda-on-cuda multinomial': lambda: torch.multinomial(probs, 1,\n"
+            "                                                      generator=gen('cuda'))}\n"
+            "for name, draw in draws.items():\n"
+            "    try:\n        print(name, draw().device)\n"
+            "    except RuntimeError as error:\n        print(name, error)\n"
+            "again = [torch.randn(3, device='cuda', generator=gen('cuda')) for _ in range(2)]\n"
+            "print(torch.Generator('cuda').device, torch.equal(*again),\n"
+            "      isinstance(torch.default_generator, torch.Generator))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=fakecuda.subprocess_env("8.0"))
+    assert done.returncode == 0, _summary(done)
+    assert done.stdout.splitlines() == [
+        "cpu-on-cuda multinomial Expected a 'cuda' device type for generator but found 'cpu'",
+        "cpu-on-cuda randn Expected a 'cuda' device type for generator but found 'cpu'",
+        "cuda-on-cpu randn Expected a 'cpu' device type for generator but found 'cuda'",
+        "cuda-on-cuda uniform_ cuda:0",
+        "cuda-on-cuda multinomial cuda:0",
+        "cuda:0 True True"]

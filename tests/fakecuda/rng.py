@@ -1,6 +1,12 @@
 """The stand-in for CUDA's random generator: a CPU generator of its own, so that seeding,
 saving and restoring "the CUDA state" (lib.checkpoint, fork_rng, dropout on the device) is a
-stream apart from the CPU's, as on a GPU (its numbers differ from a real GPU's)."""
+stream apart from the CPU's, as on a GPU (its numbers differ from a real GPU's).
+
+The shim's generators are CPU ones whatever device is asked for, so ``torch.Generator`` becomes
+:class:`DeviceGenerator`, which remembers the device it was asked for and reports it as
+``.device``; :mod:`tests.fakecuda.wrapper` refuses a random op on the device driven by a
+generator that is not a CUDA one, as a GPU does. (The other way round, a CUDA generator driving
+a CPU draw, runs here: CPU ops never reach Python.)"""
 from __future__ import annotations
 
 import torch
@@ -19,6 +25,7 @@ def patch(cuda) -> None:
     cuda.set_rng_state = lambda state, device="cuda": GENERATOR.set_state(state.cpu())
     cuda.get_rng_state_all = lambda: [GENERATOR.get_state()]
     cuda.set_rng_state_all = lambda states: GENERATOR.set_state(states[0].cpu())
+    torch.Generator = DeviceGenerator
     import torch.cuda.random as cuda_random
 
     for name in ("manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state",
@@ -39,3 +46,29 @@ class use_cuda_stream:
         GENERATOR.set_state(default.get_state())
         default.set_state(self.cpu_state)
         return False
+
+
+class _AnyGenerator(type(torch._C.Generator)):
+    """``isinstance(g, torch.Generator)`` stays true of every generator (the default ones too)
+    once ``torch.Generator`` is :class:`DeviceGenerator`."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, torch._C.Generator)
+
+
+class DeviceGenerator(torch._C.Generator, metaclass=_AnyGenerator):
+    """``torch.Generator(device)``: the shim's (CPU) generator, with the device asked for."""
+
+    def __init__(self, device="cpu"):
+        asked = torch.device(device)
+        if asked.type == "cuda" and asked.index is None:
+            asked = torch.device("cuda", 0)
+        self.asked_device = asked
+
+    @property
+    def device(self):
+        return self.asked_device
+

@@ -1,9 +1,8 @@
 """Tensors that claim ``cuda:0`` and hold real CPU values: CUDA code that reads values (train,
 generate, evaluate, the chapters) runs on the CPU while the rule that tensors of one op share a
-device holds, for tensors with dimensions, as on a GPU. Two gaps: random generators are not
-checked (the shim hands out CPU generators, so a CPU generator driving a draw on the device,
-which a GPU refuses, passes here), and a 0-dim CPU tensor passes every op here, while a GPU
-accepts it only where no device check applies (e.g. ``add``, ``mul``) and refuses it in ops
+device holds, for tensors with dimensions, as on a GPU, and so does the rule that a random
+draw's generator is on the draw's device (:class:`GeneratorDevices`). One gap: a 0-dim CPU
+tensor passes every op here, while a GPU accepts it only where no device check applies (e.g. ``add``, ``mul``) and refuses it in ops
 that check, e.g. ``index_select``/``embedding``, ``gather``, ``addmm``'s bias, ``clamp`` with a
 tensor bound, ``masked_fill``'s mask.
 
@@ -20,6 +19,7 @@ through ``empty``) and ``as_strided``. CPU tensors never leave torch's C++ path.
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tests.fakecuda import rng
@@ -36,6 +36,25 @@ CROSS_DEVICE = {aten._to_copy.default, aten.copy_.default, aten._copy_from.defau
 INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
             aten._index_put_impl_.default}
 IGNORED = {aten.record_stream.default}
+
+
+class GeneratorDevices(TorchFunctionMode):
+    """A random draw takes a generator of its own device, as on a GPU: a CPU generator for a
+    draw on the device, or the device's for a draw on the CPU, raises torch's error. Checked
+    where the call is made (Python), since below it a generator loses the device it was asked
+    for (the shim's generators are CPU ones; see :mod:`tests.fakecuda.rng`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        generator = kwargs.get("generator")
+        if generator is not None:
+            on_device = _is_cuda_device(kwargs.get("device")) or any(
+                isinstance(value, CudaTensor) for value in tree_flatten(args)[0])
+            wanted = "cuda" if on_device else "cpu"
+            if generator.device.type != wanted:
+                raise RuntimeError(f"Expected a '{wanted}' device type for generator but found "
+                                   f"'{generator.device.type}'")
+        return func(*args, **kwargs)
 
 
 class CudaTensor(torch.Tensor):
@@ -213,6 +232,9 @@ def install() -> None:
         _LIBRARY.impl(name, _factory(getattr(getattr(aten, packet), overload or "default")),
                       "CUDA")
     _LIBRARY.impl("as_strided", _as_strided, "CUDA")
+    # Entered for good: every torch call of the process passes the generator check.
+    torch._fake_cuda_generator_mode = GeneratorDevices()
+    torch._fake_cuda_generator_mode.__enter__()
 
 
 def _eager_compile(model=None, **kwargs):
