@@ -268,14 +268,14 @@ def reply(model: nn.Module, tokenizer, messages: Sequence[Mapping[str, str]],
     return tokenizer.decode(answer[:-1] if answer[-1:] == [end] else answer)
 
 
-# ---------------------------------------------------------------------------------------
-# Reinforcement learning with verifiable rewards (appendix F, issue 31): from REINFORCE to
-# GRPO. A policy samples several responses per prompt (:func:`rollout`), a program scores
-# each one, the scores become advantages relative to the prompt's group
+# ------------------------------------------------------------------------------------
+# Reinforcement learning with verifiable rewards (appendix F, issue 31): from REINFORCE
+# to GRPO. A policy samples several responses per prompt (:func:`rollout`), a program
+# scores each one, the scores become advantages relative to the prompt's group
 # (:func:`group_advantages`), and a clipped, token-level surrogate (:func:`policy_loss`)
 # with an optional KL penalty to a reference model (:func:`kl_estimate`) turns them into
 # a gradient. :func:`grpo` is the loop.
-# ---------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------
 
 from lib.checks import check_choice  # noqa: E402  (kept in this block to merge cleanly)
 from lib.model import left_pad  # noqa: E402
@@ -290,8 +290,8 @@ AGGREGATES = ("sequence", "token", "constant")
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
                      eps: float = 1e-4) -> torch.Tensor:
-    """GRPO's advantages ``(N,)`` from the rewards ``(N,)`` of ``N / group_size`` groups,
-    each group the ``group_size`` consecutive responses to one prompt:
+    """GRPO's advantages ``(N,)`` from the rewards ``(N,)`` of ``N / group_size``
+    groups, each group the ``group_size`` consecutive responses to one prompt:
 
         A_i = (r_i - mean(group)) / (std + eps)
 
@@ -305,15 +305,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or (
             len(rewards) % group_size):
         raise ValueError(f"rewards must be a 1-D tensor whose length group_size "
-                         f"({group_size}) divides, got {getattr(rewards, 'shape', rewards)}")
+                         f"({group_size}) divides, got "
+                         f"{getattr(rewards, 'shape', rewards)}")
     check_choice("scale", scale, ADVANTAGE_SCALES)
     check_number("eps", eps, low=0)
     groups = rewards.view(-1, group_size)  # (prompts, group_size)
     centred = (groups - groups.mean(1, keepdim=True)).flatten()
     if scale == "none":
         return centred
-    std = groups.std(1).repeat_interleave(group_size) if scale == "group" else rewards.std()
-    return centred / (std + eps)
+    if scale == "batch":
+        return centred / (rewards.std() + eps)
+    return centred / (groups.std(1).repeat_interleave(group_size) + eps)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -377,14 +379,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                           ("old_logprobs", old_logprobs, shape),
                           ("advantages", advantages, shape[:1])):
         if not isinstance(t, torch.Tensor) or len(shape) != 2 or t.shape != want:
-            raise ValueError(f"{name} must be a tensor of shape {want} (logprobs (B, T), "
-                             f"advantages (B,)), got {getattr(t, 'shape', t)}")
+            raise ValueError(f"{name} must be a tensor of shape {want} (logprobs "
+                             f"(B, T), advantages (B,)), got {getattr(t, 'shape', t)}")
     check_number("clip", clip, low=0, low_open=True)
-    clip_high = check_number("clip_high", clip_high, low=0, low_open=True, optional=True)
+    high = check_number("clip_high", clip_high, low=0, low_open=True, optional=True)
     check_choice("aggregate", aggregate, AGGREGATES)
     check_number("beta", beta, low=0)
     ratio, A = (logprobs - old_logprobs).exp(), advantages[:, None].to(logprobs.dtype)
-    bounded = ratio.clamp(1 - clip, 1 + (clip if clip_high is None else clip_high))
+    bounded = ratio.clamp(1 - clip, 1 + (clip if high is None else high))
     per_token = -torch.minimum(ratio * A, bounded * A)
     if ref_logprobs is not None and beta > 0:
         per_token = per_token + beta * kl_estimate(logprobs, ref_logprobs, "k3")
@@ -402,10 +404,11 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], group_size: int,
             max_new_tokens: int, stop_id: int, temperature: float = 1.0,
             generator: torch.Generator | None = None
             ) -> tuple[list[Example], list[list[int]]]:
-    """``group_size`` sampled responses to each of ``prompts`` (token id lists), drawn in
-    one batch by :meth:`lib.model.GPT.generate` (left-padded prompts, KV cache, each
-    row stopping at ``stop_id``, at most ``max_new_tokens``). Returns, group after group
-    (prompt ``i``'s responses at rows ``i * group_size`` to ``(i + 1) * group_size - 1``):
+    """``group_size`` sampled responses to each of ``prompts`` (token id lists), drawn
+    in one batch by :meth:`lib.model.GPT.generate` (left-padded prompts, KV cache, each
+    row stopping at ``stop_id``, at most ``max_new_tokens``). Returns, group after
+    group (prompt ``i``'s responses at rows ``i * G`` to ``(i + 1) * G - 1``,
+    ``G = group_size``):
 
     - one :data:`Example` per response, ``inputs`` = prompt + response minus its last
       token, ``targets`` the response's tokens at their positions and :data:`IGNORE`
@@ -461,7 +464,8 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
     sampler = torch.Generator(device=model_device(model)).manual_seed(seed)
     log = []
     for _ in range(steps):
-        pick = torch.randperm(len(prompts), generator=picker)[:prompts_per_step].tolist()
+        pick = torch.randperm(len(prompts), generator=picker)[:prompts_per_step]
+        pick = pick.tolist()
         examples, responses = rollout(model, [prompts[i] for i in pick], group_size,
                                       max_new_tokens, stop_id, temperature, sampler)
         rewards = torch.tensor([float(reward_fn(pick[k // group_size], r))
