@@ -266,3 +266,238 @@ def reply(model: nn.Module, tokenizer, messages: Sequence[Mapping[str, str]],
     out = model.generate(prompt_ids, max_new_tokens, temperature=0.0, stop_id=end)
     answer = completions(out, len(prompt), end)[0]
     return tokenizer.decode(answer[:-1] if answer[-1:] == [end] else answer)
+
+
+# ------------------------------------------------------------------------------------
+# Reinforcement learning with verifiable rewards (appendix F, issue 31): from REINFORCE
+# to GRPO. A policy samples several responses per prompt (:func:`rollout`), a program
+# scores each one, the scores become advantages relative to the prompt's group
+# (:func:`group_advantages`), and a clipped, token-level surrogate (:func:`policy_loss`)
+# with an optional KL penalty to a reference model (:func:`kl_estimate`) turns them into
+# a gradient. :func:`grpo` is the loop.
+# ------------------------------------------------------------------------------------
+
+from lib.checks import check_choice  # noqa: E402  (kept in this block to merge cleanly)
+from lib.model import left_pad  # noqa: E402
+
+__all__ += ["group_advantages", "token_logprobs", "kl_estimate", "policy_loss",
+            "rollout", "grpo"]
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+KL_KINDS = ("k1", "k2", "k3")
+AGGREGATES = ("sequence", "token", "constant")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
+                     eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's advantages ``(N,)`` from the rewards ``(N,)`` of ``N / group_size``
+    groups, each group the ``group_size`` consecutive responses to one prompt:
+
+        A_i = (r_i - mean(group)) / (std + eps)
+
+    ``scale`` picks the ``std``: ``"group"`` the group's (DeepSeekMath's GRPO),
+    ``"batch"`` that of all ``N`` rewards, ``"none"`` divides by nothing (``A_i = r_i -
+    mean(group)``, Dr. GRPO, Liu et al. 2025: a group whose rewards barely differ would
+    otherwise weigh as much as one whose rewards differ a lot). The std is the sample
+    one (divisor ``n - 1``), as TRL's ``nanstd``; ``eps`` keeps a group of equal rewards
+    (std 0, advantages 0: no signal) finite."""
+    check_int("group_size", group_size, minimum=2)
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or (
+            len(rewards) % group_size):
+        raise ValueError(f"rewards must be a 1-D tensor whose length group_size "
+                         f"({group_size}) divides, got "
+                         f"{getattr(rewards, 'shape', rewards)}")
+    check_choice("scale", scale, ADVANTAGE_SCALES)
+    check_number("eps", eps, low=0)
+    groups = rewards.view(-1, group_size)  # (prompts, group_size)
+    centred = (groups - groups.mean(1, keepdim=True)).flatten()
+    if scale == "none":
+        return centred
+    if scale == "batch":
+        return centred / (rewards.std() + eps)
+    return centred / (groups.std(1).repeat_interleave(group_size) + eps)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``(B, T, V)`` logits, ``(B, T)`` targets -> ``(B, T)``: ``log p(target)`` in
+    float32 at each position, 0 where the target is :data:`IGNORE` (summed over a row,
+    :func:`sequence_logprobs`)."""
+    logp = logits.float().log_softmax(-1)
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return picked * (targets != IGNORE)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                kind: str = "k3") -> torch.Tensor:
+    """Per-sample estimates of ``KL(pi || pi_ref)`` from the log-probabilities, under
+    the policy ``pi`` and the reference, of tokens drawn from ``pi`` (Schulman,
+    "Approximating KL divergence", 2020). With ``log_r = ref_logprobs - logprobs``:
+
+        k1 = -log_r                  unbiased, high variance, can be negative
+        k2 = log_r ** 2 / 2          biased, low variance, >= 0
+        k3 = exp(log_r) - 1 - log_r  unbiased, low variance, >= 0 (GRPO's, TRL's)
+
+    Same shape as the inputs; average over samples for the estimate."""
+    check_choice("kind", kind, KL_KINDS)
+    log_r = ref_logprobs - logprobs
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return log_r ** 2 / 2
+    return log_r.exp() - 1 - log_r
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor, clip: float = 0.2,
+                clip_high: float | None = None, aggregate: str = "sequence",
+                max_length: int | None = None, ref_logprobs: torch.Tensor | None = None,
+                beta: float = 0.0) -> torch.Tensor:
+    """The clipped surrogate loss of PPO as GRPO applies it, per token. ``logprobs``
+    ``(B, T)`` (with gradient), ``old_logprobs`` ``(B, T)`` (of the policy that sampled
+    the responses, no gradient), ``advantages`` ``(B,)`` (one per response, e.g.
+    :func:`group_advantages`), ``mask`` ``(B, T)`` (1 on response tokens). Per token,
+    with ``ratio = exp(logprobs - old_logprobs)``:
+
+        loss_t = -min(ratio * A, clip(ratio, 1 - clip, 1 + clip_high) * A)
+                 + beta * k3(logprobs, ref_logprobs)     (with ref_logprobs given)
+
+    ``clip_high`` defaults to ``clip`` (DAPO raises it: "clip-higher"). ``aggregate``
+    says how the masked tokens' losses become one number, which is where the methods
+    differ:
+
+    - ``"sequence"``: mean over each response's tokens, then over responses (GRPO;
+      TRL's ``"grpo"``): a token of a long response weighs less than a short one's.
+    - ``"token"``: sum over all tokens / their number (DAPO; TRL's ``"dapo"``,
+      ``"bnpo"``): every token weighs the same.
+    - ``"constant"``: sum over all tokens / (B * ``max_length``) (Dr. GRPO; TRL's
+      ``"dr_grpo"``), a constant divisor; ``max_length`` defaults to ``T``.
+
+    With one update per batch ``old_logprobs`` equals ``logprobs`` in value: the ratio
+    is 1 and the gradient REINFORCE's, ``-A * grad log pi`` per token."""
+    shape = tuple(getattr(logprobs, "shape", ()))
+    for name, t, want in (("logprobs", logprobs, shape[:2]), ("mask", mask, shape),
+                          ("old_logprobs", old_logprobs, shape),
+                          ("advantages", advantages, shape[:1])):
+        if not isinstance(t, torch.Tensor) or len(shape) != 2 or t.shape != want:
+            raise ValueError(f"{name} must be a tensor of shape {want} (logprobs "
+                             f"(B, T), advantages (B,)), got {getattr(t, 'shape', t)}")
+    check_number("clip", clip, low=0, low_open=True)
+    high = check_number("clip_high", clip_high, low=0, low_open=True, optional=True)
+    check_choice("aggregate", aggregate, AGGREGATES)
+    check_number("beta", beta, low=0)
+    ratio, A = (logprobs - old_logprobs).exp(), advantages[:, None].to(logprobs.dtype)
+    bounded = ratio.clamp(1 - clip, 1 + (clip if high is None else high))
+    per_token = -torch.minimum(ratio * A, bounded * A)
+    if ref_logprobs is not None and beta > 0:
+        per_token = per_token + beta * kl_estimate(logprobs, ref_logprobs, "k3")
+    mask = mask.to(per_token.dtype)
+    per_token = per_token * mask
+    if aggregate == "sequence":
+        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).mean()
+    if aggregate == "token":
+        return per_token.sum() / mask.sum().clamp(min=1)
+    return per_token.sum() / (len(mask) * (max_length or mask.size(1)))
+
+
+@torch.no_grad()
+def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], group_size: int,
+            max_new_tokens: int, stop_id: int, temperature: float = 1.0,
+            generator: torch.Generator | None = None
+            ) -> tuple[list[Example], list[list[int]]]:
+    """``group_size`` sampled responses to each of ``prompts`` (token id lists), drawn
+    in one batch by :meth:`lib.model.GPT.generate` (left-padded prompts, KV cache, each
+    row stopping at ``stop_id``, at most ``max_new_tokens``). Returns, group after
+    group (prompt ``i``'s responses at rows ``i * G`` to ``(i + 1) * G - 1``,
+    ``G = group_size``):
+
+    - one :data:`Example` per response, ``inputs`` = prompt + response minus its last
+      token, ``targets`` the response's tokens at their positions and :data:`IGNORE`
+      elsewhere (score them with :func:`token_logprobs`, batch with :func:`pad_batch`);
+    - the responses' token ids, ending with ``stop_id`` where the row stopped."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token id lists, got "
+                         f"{type(prompts).__name__}")
+    check_int("group_size", group_size)
+    check_int("max_new_tokens", max_new_tokens)
+    repeated = [list(p) for p in prompts for _ in range(group_size)]
+    ids, attention = left_pad(repeated, pad_id=stop_id, device=model_device(model))
+    out = model.generate(ids, max_new_tokens, temperature=temperature, stop_id=stop_id,
+                         attention_mask=attention, generator=generator)
+    responses = completions(out, ids.size(1), stop_id)
+    examples = []
+    for prompt, response in zip(repeated, responses):
+        inputs = torch.tensor(prompt + response[:-1])
+        targets = torch.tensor([IGNORE] * (len(prompt) - 1) + response)
+        examples.append((inputs, targets))
+    return examples, responses
+
+
+def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
+         reward_fn: Callable[[int, list[int]], float], steps: int, lr: float,
+         stop_id: int, group_size: int = 4, prompts_per_step: int = 4,
+         max_new_tokens: int = 16, temperature: float = 1.0, updates: int = 1,
+         clip: float = 0.2, beta: float = 0.0, ref_model: nn.Module | None = None,
+         scale: str = "group", aggregate: str = "sequence",
+         seed: int = 0) -> list[dict[str, float]]:
+    """Group relative policy optimisation (DeepSeekMath, Shao et al. 2024), ``steps``
+    times: draw ``prompts_per_step`` of ``prompts`` (a generator seeded with ``seed``),
+    sample ``group_size`` responses to each (:func:`rollout`, in eval mode), score each
+    with ``reward_fn(prompt_index, response_ids)``, turn the scores into
+    :func:`group_advantages` (``scale``), then take ``updates`` AdamW steps on the
+    model's trainable parameters with :func:`policy_loss` (``clip``, ``aggregate``; the
+    old log-probabilities are the first update's, detached). With ``beta > 0`` the loss
+    adds ``beta`` times the k3 estimate of the KL to ``ref_model`` (frozen, e.g. a copy
+    of the starting model). Returns per step the mean ``reward``, the ``loss`` of the
+    last update, the mean response ``length`` and the mean per-token ``kl`` (k3, 0
+    without a reference); the model is left in eval mode."""
+    if not callable(reward_fn):
+        raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+    check_int("steps", steps)
+    check_number("lr", lr, low=0, low_open=True)
+    check_int("prompts_per_step", prompts_per_step, maximum=len(prompts))
+    check_int("updates", updates)
+    if beta > 0 and not isinstance(ref_model, nn.Module):
+        raise ValueError("beta > 0 needs ref_model, the frozen model to stay near")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=lr, weight_decay=0.0)
+    picker = torch.Generator().manual_seed(seed)
+    sampler = torch.Generator(device=model_device(model)).manual_seed(seed)
+    log = []
+    for _ in range(steps):
+        pick = torch.randperm(len(prompts), generator=picker)[:prompts_per_step]
+        pick = pick.tolist()
+        examples, responses = rollout(model, [prompts[i] for i in pick], group_size,
+                                      max_new_tokens, stop_id, temperature, sampler)
+        rewards = torch.tensor([float(reward_fn(pick[k // group_size], r))
+                                for k, r in enumerate(responses)], dtype=torch.float64)
+        advantages = group_advantages(rewards, group_size, scale)
+        row = _grpo_update(model, optimizer, examples, advantages, updates, clip,
+                           aggregate, beta, ref_model)
+        log.append({"reward": rewards.mean().item(), **row})
+    return log
+
+
+def _grpo_update(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 examples: list[Example], advantages: torch.Tensor, updates: int,
+                 clip: float, aggregate: str, beta: float,
+                 ref_model: nn.Module | None) -> dict[str, float]:
+    """:func:`grpo`'s ``updates`` optimizer steps on one batch of sampled responses."""
+    device = model_device(model)
+    inputs, targets = pad_batch(examples, device)
+    mask, advantages = targets != IGNORE, advantages.float().to(device)
+    ref = None
+    if beta > 0:
+        with torch.no_grad(), eval_mode(ref_model):
+            ref = token_logprobs(ref_model(inputs)[0], targets)
+    model.train()
+    for update in range(updates):
+        logprobs = token_logprobs(model(inputs)[0], targets)
+        old = logprobs.detach() if update == 0 else old
+        loss = policy_loss(logprobs, old, advantages, mask, clip, aggregate=aggregate,
+                           ref_logprobs=ref, beta=beta)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    kl = 0.0 if ref is None else float(kl_estimate(old, ref)[mask].mean())
+    return {"loss": loss.item(), "kl": kl, "length": float(mask.sum(1).float().mean())}

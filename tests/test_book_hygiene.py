@@ -19,7 +19,7 @@ EXPECTED = [
 SECTIONS = {"12_modern": ["12a_architecture_training", "12b_long_context_inference"]}
 # The appendix: the TOC's last part, captioned "Appendix", after the twelve chapters.
 APPENDIX = ["A1_real_weights", "A2_whole_model", "A3_real_model", "A4_post_training",
-            "A5_evaluation"]
+            "A5_evaluation", "A6_rl_verifiable_rewards"]
 
 
 def _toc_files() -> list[str]:
