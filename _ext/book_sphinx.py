@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import importlib.util
-from collections import Counter
+from collections import Counter, defaultdict
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -50,15 +51,38 @@ def author_year_label(entry: Any) -> str:
     return f"{names}, {year}"
 
 
+BIBFILE = Path(__file__).resolve().parent.parent / "references.bib"
+
+
+@lru_cache(maxsize=1)
+def book_suffixes() -> dict[str, str]:
+    """Key -> letter for the works of references.bib that share a label with another one, in
+    sorted order. sphinxcontrib-bibtex checks labels across all pages: two pages citing two
+    different "Liu et al., 2025" would otherwise warn "duplicate label" (an error in `make book`)."""
+    from pybtex.database import parse_file
+    from pybtex.plugin import find_plugin
+
+    entries = list(parse_file(str(BIBFILE)).entries.values())
+    groups: defaultdict[str, list[str]] = defaultdict(list)
+    for entry in find_plugin("pybtex.style.sorting", "author_year_title")().sort(entries):
+        groups[author_year_label(entry)].append(entry.key.lower())
+    return {key: "abcdefghijklmnopqrstuvwxyz"[i] for keys in groups.values() if len(keys) > 1
+            for i, key in enumerate(keys)}
+
+
 class AuthorYearLabelStyle(BaseLabelStyle):
-    """Author-year labels; two works with the same label get 2017a, 2017b (in sorted order)."""
+    """Author-year labels; two works with the same label, in one list or anywhere in
+    references.bib, get 2017a, 2017b (in sorted order)."""
 
     def format_labels(self, sorted_entries: Iterable[Any]):
         entries = list(sorted_entries)
         labels = [author_year_label(e) for e in entries]
         counts, seen = Counter(labels), Counter()
-        for label in labels:
-            if counts[label] > 1:
+        for entry, label in zip(entries, labels):
+            key = (entry.key or "").lower()
+            if key in book_suffixes():
+                yield label + book_suffixes()[key]
+            elif counts[label] > 1:
                 yield label + "abcdefghijklmnopqrstuvwxyz"[seen[label]]
                 seen[label] += 1
             else:

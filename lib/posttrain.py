@@ -333,11 +333,14 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     the policy ``pi`` and the reference, of tokens drawn from ``pi`` (Schulman,
     "Approximating KL divergence", 2020). With ``log_r = ref_logprobs - logprobs``:
 
-        k1 = -log_r                  unbiased, high variance, can be negative
-        k2 = log_r ** 2 / 2          biased, low variance, >= 0
-        k3 = exp(log_r) - 1 - log_r  unbiased, low variance, >= 0 (GRPO's, TRL's)
+        k1 = -log_r                  unbiased, can be negative
+        k2 = log_r ** 2 / 2          biased, >= 0
+        k3 = exp(log_r) - 1 - log_r  unbiased, >= 0 (GRPO's, TRL's)
 
-    Same shape as the inputs; average over samples for the estimate."""
+    Near the reference k2 and k3 have a lower variance than k1; far from it k3's can be
+    higher. Same shape as the inputs; average over samples for the estimate. As a loss
+    term (samples held fixed) the mean gradient of k3 is that of ``KL(pi_ref || pi)``
+    and that of k1 is zero (Tang & Munos 2025)."""
     check_choice("kind", kind, KL_KINDS)
     log_r = ref_logprobs - logprobs
     if kind == "k1":
@@ -369,8 +372,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
       TRL's ``"grpo"``): a token of a long response weighs less than a short one's.
     - ``"token"``: sum over all tokens / their number (DAPO; TRL's ``"dapo"``,
       ``"bnpo"``): every token weighs the same.
-    - ``"constant"``: sum over all tokens / (B * ``max_length``) (Dr. GRPO; TRL's
-      ``"dr_grpo"``), a constant divisor; ``max_length`` defaults to ``T``.
+    - ``"constant"``: sum over all tokens / (B * ``max_length``), Dr. GRPO's (TRL's
+      ``"dr_grpo"``) when ``max_length`` is the maximum response length (default T).
 
     With one update per batch ``old_logprobs`` equals ``logprobs`` in value: the ratio
     is 1 and the gradient REINFORCE's, ``-A * grad log pi`` per token."""
@@ -448,8 +451,10 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
     old log-probabilities are the first update's, detached). With ``beta > 0`` the loss
     adds ``beta`` times the k3 estimate of the KL to ``ref_model`` (frozen, e.g. a copy
     of the starting model). Returns per step the mean ``reward``, the ``loss`` of the
-    last update, the mean response ``length`` and the mean per-token ``kl`` (k3, 0
-    without a reference); the model is left in eval mode."""
+    last update, the mean response ``length`` and the mean per-token ``kl`` (k3, of the
+    policy that sampled the step's responses; 0 without a reference). With
+    ``aggregate="constant"`` the divisor is ``B * max_new_tokens`` (TRL's ``dr_grpo``);
+    the model is left in eval mode."""
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
     check_int("steps", steps)
@@ -472,7 +477,7 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
                                 for k, r in enumerate(responses)], dtype=torch.float64)
         advantages = group_advantages(rewards, group_size, scale)
         row = _grpo_update(model, optimizer, examples, advantages, updates, clip,
-                           aggregate, beta, ref_model)
+                           aggregate, beta, ref_model, max_new_tokens)
         log.append({"reward": rewards.mean().item(), **row})
     return log
 
@@ -480,7 +485,7 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
 def _grpo_update(model: nn.Module, optimizer: torch.optim.Optimizer,
                  examples: list[Example], advantages: torch.Tensor, updates: int,
                  clip: float, aggregate: str, beta: float,
-                 ref_model: nn.Module | None) -> dict[str, float]:
+                 ref_model: nn.Module | None, max_length: int) -> dict[str, float]:
     """:func:`grpo`'s ``updates`` optimizer steps on one batch of sampled responses."""
     device = model_device(model)
     inputs, targets = pad_batch(examples, device)
@@ -494,7 +499,7 @@ def _grpo_update(model: nn.Module, optimizer: torch.optim.Optimizer,
         logprobs = token_logprobs(model(inputs)[0], targets)
         old = logprobs.detach() if update == 0 else old
         loss = policy_loss(logprobs, old, advantages, mask, clip, aggregate=aggregate,
-                           ref_logprobs=ref, beta=beta)
+                           max_length=max_length, ref_logprobs=ref, beta=beta)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -108,6 +108,12 @@ def test_reference_list_labels_read_like_the_citations():
                _entry("g", ["A. Radford", "K. Narasimhan", "T. Salimans"], "2019")]
     labels = list(book_sphinx.AuthorYearLabelStyle().format_labels(entries))
     assert labels == ["Radford et al., 2019a", "Radford et al., 2019b"]
+    # Labels are checked across pages: two works of references.bib with one label differ.
+    from pybtex.database import parse_file
+    bib = parse_file(str(ROOT / "references.bib")).entries
+    pair = [bib["liu2025muon"], bib["liu2025drgrpo"]]
+    both = [next(book_sphinx.AuthorYearLabelStyle().format_labels([e])) for e in pair]
+    assert sorted(both) == ["Liu et al., 2025a", "Liu et al., 2025b"]
 
 
 def test_config_uses_the_author_year_style():

@@ -232,7 +232,8 @@ def test_reinforce_mean_equals_exact_gradient(scale, factor):
     est = estimates(4, 6000, scale)
     se = est.std(0) / math.sqrt(len(est))
     assert ((est.mean(0) - factor * exact_gradient()).abs() < 4 * se).all()
-    assert (exact_gradient().abs() > 8 * se).any()  # the test can tell a wrong factor
+    other = 3 / 4 if factor == 1.0 else 1.0  # the other case's factor is told apart
+    assert ((est.mean(0) - other * exact_gradient()).abs() > 4 * se).any()
     if scale is not None:
         plain = estimates(4, 6000, None)
         assert (est / factor).var(0).sum() < 0.8 * plain.var(0).sum()
@@ -293,6 +294,32 @@ def test_grpo_with_a_reference_reports_kl():
                updates=2, beta=0.1, ref_model=ref, aggregate="token")
     assert log[0]["kl"] == 0.0 and log[-1]["kl"] > 0  # the first batch is the reference's
     assert all(1 <= row["length"] <= 5 for row in log)
+
+
+def test_grpo_constant_divisor_is_batch_times_max_new_tokens(monkeypatch):
+    """aggregate="constant" is TRL's dr_grpo: each response token's loss is divided by
+    B * max_new_tokens, whatever the prompts' and responses' lengths in the batch (the
+    padded width T would change with the longest prompt)."""
+    from lib import posttrain
+    real, weights = posttrain.policy_loss, []
+
+    def spy(logprobs, old, advantages, mask, *args, **kwargs):
+        leaf = logprobs.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(real(leaf, old, advantages, mask, *args, **kwargs),
+                                      leaf)
+        A = advantages[:, None].expand_as(mask)
+        keep = mask & (A != 0)  # response tokens whose answer has an advantage
+        weights.append((-grad[keep] / A[keep]).tolist())
+        return real(logprobs, old, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(posttrain, "policy_loss", spy)
+    for prompt in ([1, 2], [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12]):
+        grpo(tiny_model(), [prompt], lambda i, r: float(len(r)), steps=2, lr=1e-2,
+             stop_id=0, group_size=4, prompts_per_step=1, max_new_tokens=5,
+             aggregate="constant", scale="none")
+    flat = [w for step in weights for w in step]
+    assert len(weights) == 4 and len(flat) > 8
+    assert all(abs(w - 1 / (4 * 5)) < 1e-6 for w in flat), sorted(set(flat))
 
 
 # bad arguments -------------------------------------------------------------------------
