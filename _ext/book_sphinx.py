@@ -2,7 +2,8 @@
 
 1. Bibliography style ``book_author_year``: the reference lists show the same "Vaswani et al., 2017"
    labels that the author-year citations in the text show (pybtex's default alpha labels would show
-   "[VSP+17]"), sorted by author, year and title.
+   "[VSP+17]"), sorted by author, year and title. Works of references.bib that share a label get
+   a letter (2025a, 2025b) in the lists and, through a patched ``year`` node, in the text.
 2. No duplicate <script> tags: sphinx-thebe adds its inline configuration script once through the
    app and once through the builder's registry, and the page then declares ``THEBE_JS_URL`` twice,
    a JavaScript error in every page's console. Identical scripts are kept once.
@@ -117,7 +118,28 @@ def _fetch_mathjax(app, config) -> None:
     logger.info(f"[book_sphinx] {fetch_mathjax.ensure()}")
 
 
+def _suffixed_year(children, data: dict[str, Any]):
+    """sphinxcontrib-bibtex's ``year`` node for in-text citations, plus the letter that
+    :func:`book_suffixes` gives the work, so "Liu et al., 2025b" reads the same in the text
+    and in the reference list."""
+    year = _PLAIN_YEAR(children, data)
+    return year + book_suffixes().get((data["entry"].key or "").lower(), "")
+
+
+def _use_suffixed_year() -> None:
+    global _PLAIN_YEAR
+    from sphinxcontrib.bibtex.style import template
+
+    if template.year.f is not _suffixed_year:
+        _PLAIN_YEAR = template.year.f
+        template.year.f = _suffixed_year
+
+
+_PLAIN_YEAR = None
+
+
 def setup(app) -> dict[str, Any]:
+    _use_suffixed_year()
     register_plugin("pybtex.style.labels", STYLE_NAME, AuthorYearLabelStyle)
     register_plugin("pybtex.style.formatting", STYLE_NAME, AuthorYearStyle)
     app.connect("config-inited", _fetch_mathjax, priority=100)

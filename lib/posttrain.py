@@ -339,8 +339,10 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
 
     Near the reference k2 and k3 have a lower variance than k1; far from it k3's can be
     higher. Same shape as the inputs; average over samples for the estimate. As a loss
-    term (samples held fixed) the mean gradient of k3 is that of ``KL(pi_ref || pi)``
-    and that of k1 is zero (Tang & Munos 2025)."""
+    term (samples held fixed, on-policy), for one token, the mean gradient of k3 is that
+    of ``KL(pi_ref || pi)``, that of k1 is zero (Tang & Munos 2025) and that of k2 is
+    that of ``KL(pi || pi_ref)`` (Liu et al. 2025). Summed over a sequence's tokens the
+    mean gradient is that of neither sequence-level KL (Tang & Munos 2025)."""
     check_choice("kind", kind, KL_KINDS)
     log_r = ref_logprobs - logprobs
     if kind == "k1":
@@ -454,7 +456,8 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
     last update, the mean response ``length`` and the mean per-token ``kl`` (k3, of the
     policy that sampled the step's responses; 0 without a reference). With
     ``aggregate="constant"`` the divisor is ``B * max_new_tokens`` (TRL's ``dr_grpo``);
-    the model is left in eval mode."""
+    the model is left in eval mode. Assumes a model without dropout: the old
+    log-probabilities come from a train-mode forward, the samples from eval mode."""
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
     check_int("steps", steps)

@@ -111,9 +111,22 @@ def test_reference_list_labels_read_like_the_citations():
     # Labels are checked across pages: two works of references.bib with one label differ.
     from pybtex.database import parse_file
     bib = parse_file(str(ROOT / "references.bib")).entries
-    pair = [bib["liu2025muon"], bib["liu2025drgrpo"]]
-    both = [next(book_sphinx.AuthorYearLabelStyle().format_labels([e])) for e in pair]
-    assert sorted(both) == ["Liu et al., 2025a", "Liu et al., 2025b"]
+    three = [bib["liu2025muon"], bib["liu2025drgrpo"], bib["liu2025rethinking"]]
+    labels = [next(book_sphinx.AuthorYearLabelStyle().format_labels([e])) for e in three]
+    assert sorted(labels) == ["Liu et al., 2025a", "Liu et al., 2025b", "Liu et al., 2025c"]
+
+
+def test_in_text_citations_carry_the_same_letter():
+    """The patched year node of the in-text citations adds book_suffixes()'s letter."""
+    from pybtex.database import parse_file
+    from sphinxcontrib.bibtex.style import template
+
+    book_sphinx._use_suffixed_year()
+    bib = parse_file(str(ROOT / "references.bib")).entries
+    year = lambda key: str(template.year.format_data({"entry": bib[key]}))  # noqa: E731
+    assert [year(k) for k in ("liu2025muon", "liu2025rethinking", "liu2025drgrpo")] == \
+        ["2025a", "2025b", "2025c"]
+    assert year("vaswani2017attention") == "2017"
 
 
 def test_config_uses_the_author_year_style():

@@ -9,7 +9,8 @@
   autograd gradient against the gradient derived by hand;
 - the score-function (REINFORCE) estimator built from policy_loss: its mean over many
   samples equals the exact gradient of a small categorical policy, within its standard
-  error; with a group-mean baseline its mean is (G - 1) / G times that gradient;
+  error; with the group mean subtracted (not a baseline: it includes the
+  reward's own draw) its mean is (G - 1) / G times that gradient;
 - rollout against one-prompt greedy generation; grpo raises a toy reward; bad arguments
   raise errors that name them.
 """
@@ -226,8 +227,8 @@ def estimates(G: int, n_groups: int, scale: str | None) -> torch.Tensor:
 
 @pytest.mark.parametrize("scale, factor", [(None, 1.0), ("none", 3 / 4)])
 def test_reinforce_mean_equals_exact_gradient(scale, factor):
-    """The plain estimator is unbiased; the group-mean baseline (each reward's own draw
-    included in the mean) shrinks its mean by (G - 1) / G = 3/4 and lowers its total
+    """The plain estimator is unbiased; subtracting the group mean (not a baseline: it
+    includes the reward's own draw) shrinks its mean by (G - 1) / G = 3/4 and lowers its total
     variance (summed over the five coordinates) even after rescaling by G / (G - 1)."""
     est = estimates(4, 6000, scale)
     se = est.std(0) / math.sqrt(len(est))
