@@ -157,8 +157,9 @@ def kept_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     keep = targets != IGNORE
     logp = kept_logits(model, inputs, targets).float().log_softmax(-1)  # (N, V)
     picked = logp.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1)  # (N,)
-    rows = keep.nonzero()[:, 0]  # each kept position's row
-    return picked.new_zeros(len(targets)).index_add(0, rows, picked)
+    out = picked.new_zeros(keep.shape)  # (B, T), 0 where the target is IGNORE
+    out[keep] = picked
+    return out.sum(-1)
 
 
 @torch.no_grad()
