@@ -33,7 +33,8 @@ from lib.checks import check_int, check_number, check_type, eval_mode, model_dev
 from lib.model import completions
 from lib.tokenizers import ChatTokenizer
 
-__all__ = ["IGNORE", "sft_example", "pad_batch", "sequence_logprobs",
+__all__ = ["IGNORE", "sft_example", "pad_batch", "sequence_logprobs", "kept_logits",
+           "kept_logprobs",
            "response_logprobs", "token_kl", "UpperBlocks", "lower_states",
            "dpo_loss", "finetune", "sft_loss", "sft", "dpo", "reply"]
 
@@ -101,10 +102,13 @@ class UpperBlocks(nn.Module):
         self.blocks = model.blocks[start:]
         self.norm_f, self.lm_head = model.norm_f, model.lm_head
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(self, h: torch.Tensor, keep: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        """With ``keep`` ``(B, T)`` (bool), the logits ``(N, V)`` of the N kept
+        positions only, in row-major order: the head runs on those alone."""
         for block in self.blocks:
             h = block(h)
-        return self.lm_head(self.norm_f(h)), None
+        return self.lm_head(self.norm_f(h if keep is None else h[keep])), None
 
 
 @torch.no_grad()
@@ -133,6 +137,31 @@ def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return (picked * keep).sum(-1)
 
 
+def kept_logits(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+                ) -> torch.Tensor:
+    """The logits ``(N, V)`` at the N positions whose target is not :data:`IGNORE`
+    (row-major order), the vocabulary head run at those positions only: the rows of
+    ``model(inputs)[0][targets != IGNORE]``, without the prompt positions' head."""
+    keep = targets != IGNORE
+    if isinstance(model, UpperBlocks):
+        return model(inputs, keep)[0]
+    h = model.embed(inputs)  # (B, T, C)
+    for block in model.blocks:
+        h = block(h)
+    return model.lm_head(model.norm_f(h[keep]))  # (N, C) -> (N, V)
+
+
+def kept_logprobs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+                  ) -> torch.Tensor:
+    """``(B,)``: :func:`sequence_logprobs` of ``model(inputs)``, from :func:`kept_logits`."""
+    keep = targets != IGNORE
+    logp = kept_logits(model, inputs, targets).float().log_softmax(-1)  # (N, V)
+    picked = logp.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1)  # (N,)
+    out = picked.new_zeros(keep.shape)  # (B, T), 0 where the target is IGNORE
+    out[keep] = picked
+    return out.sum(-1)
+
+
 @torch.no_grad()
 def response_logprobs(model: nn.Module, examples: Sequence[Example],
                       batch_size: int = 16) -> torch.Tensor:
@@ -142,8 +171,7 @@ def response_logprobs(model: nn.Module, examples: Sequence[Example],
     with eval_mode(model):
         for i in range(0, len(examples), batch_size):
             inputs, targets = pad_batch(examples[i:i + batch_size], model_device(model))
-            logits, _ = model(inputs)
-            out.append(sequence_logprobs(logits, targets))
+            out.append(kept_logprobs(model, inputs, targets))
     return torch.cat(out)
 
 
@@ -213,9 +241,8 @@ def sft_loss(model: nn.Module, batch: Sequence[Example]) -> tuple[torch.Tensor, 
     """SFT's loss on a batch of examples: the mean cross-entropy over the targets that
     are not :data:`IGNORE` (the response tokens)."""
     inputs, targets = pad_batch(batch, model_device(model))
-    logits, _ = model(inputs)  # (B, T, V); the loss is taken in float32
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           ignore_index=IGNORE)
+    logits = kept_logits(model, inputs, targets)  # (N, V), response positions only
+    loss = F.cross_entropy(logits.float(), targets[targets != IGNORE])  # in float32
     return loss, {}
 
 
@@ -245,8 +272,7 @@ def dpo(model: nn.Module, pairs: Sequence[tuple[Example, Example]],
         chosen_rejected = [c for (c, _), _ in batch] + [r for (_, r), _ in batch]
         # chosen rows first, then rejected
         inputs, targets = pad_batch(chosen_rejected, model_device(model))
-        logits, _ = model(inputs)
-        chosen, rejected = sequence_logprobs(logits, targets).chunk(2)
+        chosen, rejected = kept_logprobs(model, inputs, targets).chunk(2)
         ref = torch.stack([ref for _, ref in batch]).to(inputs.device)  # (B, 2)
         loss, r_chosen, r_rejected = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1],
                                               beta)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from lib.config import GPTConfig
 from lib.lora import ATTENTION, FFN, apply_lora
 from lib.model import GPT
-from lib.posttrain import (IGNORE, UpperBlocks, dpo, dpo_loss, finetune, lower_states,
-                           pad_batch, reply, response_logprobs, sequence_logprobs, sft,
+from lib.posttrain import (IGNORE, UpperBlocks, dpo, dpo_loss, finetune, kept_logits,
+                           kept_logprobs, lower_states, pad_batch, reply, response_logprobs, sequence_logprobs, sft,
                            sft_example, sft_loss, token_kl)
 from lib.tokenizers import BPETokenizer, ChatTokenizer
 
@@ -319,3 +319,37 @@ def test_upper_blocks_on_cached_states_equal_the_whole_model_and_its_gradients()
     assert {id(p) for p in upper.parameters()} <= {id(p) for p in whole.parameters()}
     with pytest.raises(ValueError, match=r"start must be an int in \[0, 2\]"):
         UpperBlocks(whole, 3)
+
+
+def test_head_on_kept_positions_equals_the_full_head_values_and_gradients():
+    """kept_logits / kept_logprobs run the vocabulary head on the response positions only:
+    values and LoRA gradients equal those of the whole model's full (B, T, V) logits, for
+    the whole GPT and for UpperBlocks on cached states."""
+    tok = tokenizer()
+    examples = [sft_example(tok, question(k), "ab" * (k + 1)) for k in range(4)]
+    whole = model(1)
+    whole.requires_grad_(False)
+    apply_lora(whole, ["blocks.1.attn.q_proj", "blocks.1.attn.v_proj"], r=2, alpha=4.0)
+    with torch.no_grad():
+        for name, p in whole.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(generator=torch.Generator().manual_seed(6))
+    params = [p for p in whole.parameters() if p.requires_grad]
+    x, y = pad_batch(examples)
+    keep = y != IGNORE
+    assert 0 < keep.sum() < keep.numel() // 2  # most positions are prompt or padding
+    full_logits, _ = whole(x)
+    full = sequence_logprobs(full_logits, y)
+    full_grads = torch.autograd.grad(full.sum(), params)
+    full_ce = F.cross_entropy(full_logits.transpose(1, 2), y, ignore_index=IGNORE)
+    for net, inputs in ((whole, x), (UpperBlocks(whole, 1),
+                                     pad_batch(lower_states(whole, 1, examples))[0])):
+        logits = kept_logits(net, inputs, y)
+        assert logits.shape == (keep.sum(), 258)
+        torch.testing.assert_close(logits, full_logits[keep], atol=1e-5, rtol=1e-5)
+        ours = kept_logprobs(net, inputs, y)
+        torch.testing.assert_close(ours, full, atol=1e-5, rtol=1e-5)
+        for a, b in zip(torch.autograd.grad(ours.sum(), params), full_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        if net is whole:
+            torch.testing.assert_close(sft_loss(net, examples)[0], full_ce)
