@@ -323,10 +323,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 
     ``scale`` picks the ``std``: ``"group"`` the group's (DeepSeekMath's GRPO),
     ``"batch"`` that of all ``N`` rewards, ``"none"`` divides by nothing (``A_i = r_i -
-    mean(group)``, Dr. GRPO, Liu et al. 2025: a group whose rewards barely differ would
-    otherwise weigh as much as one whose rewards differ a lot). The std is the sample
-    one (divisor ``n - 1``), as TRL's ``nanstd``; ``eps`` keeps a group of equal rewards
-    (std 0, advantages 0: no signal) finite."""
+    mean(group)``, Dr. GRPO, Liu et al. 2025, arXiv:2503.20783: a group whose rewards
+    barely differ would otherwise weigh as much as one whose rewards differ a lot). The
+    std is the sample one (divisor ``n - 1``), as TRL's ``nanstd``; ``eps`` keeps a
+    group of equal rewards (std 0, advantages 0: no signal) finite."""
     check_int("group_size", group_size, minimum=2)
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or (
             len(rewards) % group_size):
@@ -367,8 +367,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     higher. Same shape as the inputs; average over samples for the estimate. As a loss
     term (samples held fixed, on-policy), for one token, the mean gradient of k3 is that
     of ``KL(pi_ref || pi)``, that of k1 is zero (Tang & Munos 2025) and that of k2 is
-    that of ``KL(pi || pi_ref)`` (Liu et al. 2025). Summed over a sequence's tokens the
-    mean gradient is that of neither sequence-level KL (Tang & Munos 2025)."""
+    that of ``KL(pi || pi_ref)`` (Liu et al. 2025, arXiv:2510.01555). Summed over a
+    sequence's tokens the mean gradient is that of neither sequence-level KL (Tang &
+    Munos 2025)."""
     check_choice("kind", kind, KL_KINDS)
     log_r = ref_logprobs - logprobs
     if kind == "k1":
@@ -476,18 +477,23 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
     with ``reward_fn(prompt_index, response_ids)``, turn the scores into
     :func:`group_advantages` (``scale``), then take ``updates`` AdamW steps on the
     model's trainable parameters with :func:`policy_loss` (``clip``, ``aggregate``; the
-    old log-probabilities are the first update's, detached). With ``beta > 0`` the loss
-    adds ``beta`` times the k3 estimate of the KL to ``ref_model`` (frozen, e.g. a copy
-    of the starting model). Returns per step the mean ``reward``, the ``loss`` of the
-    last update, the mean response ``length`` and the mean per-token ``kl`` (k3, of the
-    policy that sampled the step's responses; 0 without a reference). With
-    ``aggregate="constant"`` the divisor is ``B * max_new_tokens`` (TRL's ``dr_grpo``);
-    the model is left in eval mode. Assumes a model without dropout: the old
-    log-probabilities come from a train-mode forward, the samples from eval mode."""
+    old log-probabilities are the first update's, detached). Every log-probability is
+    that of the sampling distribution, softmax(logits / ``temperature``), the
+    reference's too (as TRL's GRPO), so the ratio and the KL are measured against the
+    policy that sampled; ``temperature`` must be positive (0 would give identical
+    groups). With ``beta > 0`` the loss adds ``beta`` times the k3 estimate of the KL to
+    ``ref_model`` (frozen, e.g. a copy of the starting model). Returns per step the mean
+    ``reward``, the last update's ``loss``, the mean response ``length`` and the mean
+    per-token ``kl`` (k3, of the policy that sampled the step's responses; 0 without a
+    reference). With ``aggregate="constant"`` the divisor is ``B * max_new_tokens``
+    (TRL's ``dr_grpo``); the model is left in eval mode. Assumes a model without
+    dropout: the old log-probabilities come from a train-mode forward, the samples from
+    eval mode."""
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
     check_int("steps", steps)
     check_number("lr", lr, low=0, low_open=True)
+    check_number("temperature", temperature, low=0, low_open=True)
     check_int("prompts_per_step", prompts_per_step, maximum=len(prompts))
     check_int("updates", updates)
     if beta > 0 and not isinstance(ref_model, nn.Module):
@@ -498,15 +504,14 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
     sampler = torch.Generator(device=model_device(model)).manual_seed(seed)
     log = []
     for _ in range(steps):
-        pick = torch.randperm(len(prompts), generator=picker)[:prompts_per_step]
-        pick = pick.tolist()
+        pick = torch.randperm(len(prompts), generator=picker)[:prompts_per_step].tolist()
         examples, responses = rollout(model, [prompts[i] for i in pick], group_size,
                                       max_new_tokens, stop_id, temperature, sampler)
         rewards = torch.tensor([float(reward_fn(pick[k // group_size], r))
                                 for k, r in enumerate(responses)], dtype=torch.float64)
         advantages = group_advantages(rewards, group_size, scale)
         row = _grpo_update(model, optimizer, examples, advantages, updates, clip,
-                           aggregate, beta, ref_model, max_new_tokens)
+                           aggregate, beta, ref_model, max_new_tokens, temperature)
         log.append({"reward": rewards.mean().item(), **row})
     return log
 
@@ -514,18 +519,20 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
 def _grpo_update(model: nn.Module, optimizer: torch.optim.Optimizer,
                  examples: list[Example], advantages: torch.Tensor, updates: int,
                  clip: float, aggregate: str, beta: float,
-                 ref_model: nn.Module | None, max_length: int) -> dict[str, float]:
-    """:func:`grpo`'s ``updates`` optimizer steps on one batch of sampled responses."""
+                 ref_model: nn.Module | None, max_length: int,
+                 temperature: float) -> dict[str, float]:
+    """:func:`grpo`'s ``updates`` optimizer steps on one batch of sampled responses,
+    log-probabilities taken at the sampling ``temperature``."""
     device = model_device(model)
     inputs, targets = pad_batch(examples, device)
     mask, advantages = targets != IGNORE, advantages.float().to(device)
     ref = None
     if beta > 0:
         with torch.no_grad(), eval_mode(ref_model):
-            ref = token_logprobs(ref_model(inputs)[0], targets)
+            ref = token_logprobs(ref_model(inputs)[0] / temperature, targets)
     model.train()
     for update in range(updates):
-        logprobs = token_logprobs(model(inputs)[0], targets)
+        logprobs = token_logprobs(model(inputs)[0] / temperature, targets)
         old = logprobs.detach() if update == 0 else old
         loss = policy_loss(logprobs, old, advantages, mask, clip, aggregate=aggregate,
                            max_length=max_length, ref_logprobs=ref, beta=beta)

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 
@@ -361,3 +362,38 @@ def test_bad_arguments_raise():
     for call, error, name in cases:
         with pytest.raises(error, match=name):
             call()
+
+
+def test_grpo_scores_responses_at_the_sampling_temperature(monkeypatch):
+    """At temperature T the old log-probabilities (and the reference's) are those of
+    softmax(logits / T), the distribution the responses were drawn from (TRL divides the
+    logits by T too); T = 0 (greedy: every group identical, no signal) is refused."""
+    import torch.nn.functional as F
+    from lib import posttrain
+    real, seen = posttrain.policy_loss, []
+
+    def spy(logprobs, old, advantages, mask, *args, **kwargs):
+        seen.append((old, kwargs["ref_logprobs"], mask))
+        return real(logprobs, old, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(posttrain, "policy_loss", spy)
+    real_pad, batches = posttrain.pad_batch, []
+    monkeypatch.setattr(posttrain, "pad_batch",
+                        lambda *a, **k: batches.append(real_pad(*a, **k)) or batches[-1])
+    model, ref = tiny_model(), tiny_model(seed=1)
+    start = copy.deepcopy(model)  # the policy that samples (grpo updates model after)
+    grpo(model, [[1, 2, 3]], lambda i, r: float(len(r)), steps=1, lr=1e-3, stop_id=0,
+         group_size=4, prompts_per_step=1, max_new_tokens=5, temperature=0.5,
+         beta=0.1, ref_model=ref)
+    (old, ref_lp, mask), ((inputs, targets),) = seen[0], batches
+    with torch.no_grad():
+        for net, got in ((start, old), (ref, ref_lp)):
+            logits = net(inputs)[0].double()
+            picked = targets.clamp(min=0)[..., None]
+            want = F.log_softmax(logits / 0.5, dim=-1).gather(-1, picked)[..., 0]
+            torch.testing.assert_close(got[mask].double(), want[mask], rtol=0, atol=1e-5)
+            at_one = F.log_softmax(logits, dim=-1).gather(-1, picked)[..., 0]
+            assert (got[mask].double() - at_one[mask]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="temperature"):
+        grpo(tiny_model(), [[1, 2]], lambda i, r: 0.0, steps=1, lr=1e-3, stop_id=0,
+             temperature=0.0)
