@@ -291,16 +291,23 @@ def test_token_kl_equals_torch_kl_div_on_the_kept_positions():
     assert token_kl(ref, ref, targets).abs() < 1e-6
 
 
-def test_upper_blocks_on_cached_states_equal_the_whole_model_and_its_gradients():
-    tok = tokenizer()
-    examples = [sft_example(tok, question(k), "a" * (k + 1)) for k in range(4)]
-    whole = model()
+def lora_model(seed: int, b_seed: int):
+    """``model(seed)`` frozen, with rank-2 LoRA on block 1's q and v whose B is random
+    (``b_seed``), so that the adapters change the output and receive gradients."""
+    whole = model(seed)
     whole.requires_grad_(False)
     apply_lora(whole, ["blocks.1.attn.q_proj", "blocks.1.attn.v_proj"], r=2, alpha=4.0)
     with torch.no_grad():
         for name, p in whole.named_parameters():
             if name.endswith("lora_B"):
-                p.normal_(generator=torch.Generator().manual_seed(5))
+                p.normal_(generator=torch.Generator().manual_seed(b_seed))
+    return whole
+
+
+def test_upper_blocks_on_cached_states_equal_the_whole_model_and_its_gradients():
+    tok = tokenizer()
+    examples = [sft_example(tok, question(k), "a" * (k + 1)) for k in range(4)]
+    whole = lora_model(0, b_seed=5)
     x, y = pad_batch(examples)
     upper = UpperBlocks(whole, 1)
     hx, hy = pad_batch(lower_states(whole, 1, examples))
@@ -327,13 +334,7 @@ def test_head_on_kept_positions_equals_the_full_head_values_and_gradients():
     the whole GPT and for UpperBlocks on cached states."""
     tok = tokenizer()
     examples = [sft_example(tok, question(k), "ab" * (k + 1)) for k in range(4)]
-    whole = model(1)
-    whole.requires_grad_(False)
-    apply_lora(whole, ["blocks.1.attn.q_proj", "blocks.1.attn.v_proj"], r=2, alpha=4.0)
-    with torch.no_grad():
-        for name, p in whole.named_parameters():
-            if name.endswith("lora_B"):
-                p.normal_(generator=torch.Generator().manual_seed(6))
+    whole = lora_model(1, b_seed=6)
     params = [p for p in whole.parameters() if p.requires_grad]
     x, y = pad_batch(examples)
     keep = y != IGNORE
