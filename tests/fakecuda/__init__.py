@@ -18,7 +18,7 @@ Nothing here touches a GPU. Three layers, used by ``tests/test_fake_cuda.py`` (w
    code that reads values: training, generation, the chapters).
 
 Limits: CPU numerics (SDPA takes the math path, no TF32), no asynchronous copies, one device,
-CPU generators underneath (``torch.Generator("cuda")`` reports ``cuda:0``, and a draw with a
+CPU generators underneath (``torch.Generator("cuda")`` reports ``cuda``, and a draw with a
 generator of the other device raises as on a GPU: :mod:`tests.fakecuda.rng`), and a 0-dim CPU
 tensor accepted in every op (a GPU accepts it only in the ops without a device check);
 ``torch.compile`` is traced (FakeTensorMode, ``aot_eager``) but runs eagerly under the wrapper.

@@ -5,8 +5,8 @@ stream apart from the CPU's, as on a GPU (its numbers differ from a real GPU's).
 The shim's generators are CPU ones whatever device is asked for, so ``torch.Generator`` becomes
 :class:`DeviceGenerator`, which remembers the device it was asked for and reports it as
 ``.device``; :mod:`tests.fakecuda.wrapper` refuses a random op on the device driven by a
-generator that is not a CUDA one, as a GPU does. (The other way round, a CUDA generator driving
-a CPU draw, runs here: CPU ops never reach Python.)"""
+generator that is not a CUDA one, and a CPU draw driven by a CUDA generator, as a GPU does.
+Like torch's, ``torch.Generator("cuda").device`` is ``cuda`` with no index."""
 from __future__ import annotations
 
 import torch
@@ -63,10 +63,7 @@ class DeviceGenerator(torch._C.Generator, metaclass=_AnyGenerator):
     """``torch.Generator(device)``: the shim's (CPU) generator, with the device asked for."""
 
     def __init__(self, device="cpu"):
-        asked = torch.device(device)
-        if asked.type == "cuda" and asked.index is None:
-            asked = torch.device("cuda", 0)
-        self.asked_device = asked
+        self.asked_device = torch.device(device)  # "cuda" stays index-less, as torch's
 
     @property
     def device(self):
