@@ -2,10 +2,13 @@
 
 Every figure in ``figures/`` is written by a chapter through :func:`save_figure`; none is drawn by
 hand. Files are deterministic (no timestamps, fixed SVG ids), so re-running a chapter rewrites
-the same bytes on the same software.
+the same bytes on the same software. The environment variable ``GPTBOOK_FIGURES`` names another
+folder to write to (``make devices`` runs chapters on emulated CUDA and keeps its figures out of
+the checkout this way).
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -15,7 +18,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-FIGURES_DIR = Path(__file__).resolve().parent.parent / "figures"
+FIGURES_DIR = Path(os.environ.get("GPTBOOK_FIGURES")
+                   or Path(__file__).resolve().parent.parent / "figures")
 
 # A small, colour-blind-friendly palette (Okabe–Ito) used by every chapter.
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]

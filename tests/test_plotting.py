@@ -107,3 +107,19 @@ def test_pipeline_labels_are_readable_and_fit_their_boxes():
         if text.get_text() in plotting.PIPELINE_STAGES:
             assert text.get_window_extent(renderer).width < box_px, text.get_text()
     plt.close(fig)
+
+
+def test_figures_folder_from_environment(tmp_path):
+    """GPTBOOK_FIGURES sends a run's figures elsewhere (make devices keeps them out of figures/)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import matplotlib.pyplot as plt; from lib import plotting; "
+            "fig, _ = plt.subplots(); plotting.save_figure(fig, '99-elsewhere')")
+    root = Path(plotting.__file__).resolve().parent.parent
+    env = dict(os.environ, GPTBOOK_FIGURES=str(tmp_path), MPLBACKEND="Agg")
+    subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True)
+    assert (tmp_path / "99-elsewhere.svg").exists()
+    assert not (root / "figures" / "99-elsewhere.svg").exists()

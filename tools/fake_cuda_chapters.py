@@ -18,6 +18,7 @@ import os
 import re
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +35,8 @@ from tests import fakecuda  # noqa: E402
 # loaded 2-core machine, 0 errors; with its cell-67 bug back, cell 67 raises the device
 # error) is what fits CI's budget today. A1 was run once by hand (2026-11-26, load ~4: 398 s wall,
 # 271 s of kernel CPU, 0 cells raised); 11 (a long training run) has not been run emulated yet.
-# The run also rewrites figures/ (a CI checkout is thrown away; locally: git checkout figures).
+# Figures go to a temporary folder (GPTBOOK_FIGURES): the emulated run draws different noise,
+# so writing figures/ would change the checkout's files.
 DEFAULT = ["chapters/12a_architecture_training.ipynb"]
 DEVICE_ERROR = re.compile(r"same device|device type|Expected .*(cuda|cpu)|cuda:0|"
                           r"expected (scalar type|.*dtype)|dtype|BFloat16|Half")
@@ -61,8 +63,9 @@ def _children_cpu() -> float:
 
 def run(path: Path, capability: str, timeout: int) -> tuple[float, float, list]:
     nb = nbformat.read(path, as_version=4)
+    figures = tempfile.TemporaryDirectory(prefix="fake-cuda-figures-")
     env = fakecuda.subprocess_env(capability, GPTBOOK_FAKE_CUDA="1",
-                                  PYTHONPATH=str(ROOT))
+                                  PYTHONPATH=str(ROOT), GPTBOOK_FIGURES=figures.name)
     old = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)  # the kernel inherits this process's environment
@@ -74,6 +77,7 @@ def run(path: Path, capability: str, timeout: int) -> tuple[float, float, list]:
     finally:
         os.environ.clear()
         os.environ.update(old)
+        figures.cleanup()
     return seconds, _children_cpu() - cpu, errors_of(nb)
 
 
