@@ -8,7 +8,8 @@ server and opened at a laptop width (1280 x 900) and a phone width (390 x 844). 
 - every math element typeset by MathJax, and no raw TeX (``$...$``, ``\\[``, ``\\(``) left in the text;
 - the page itself no wider than the window (long listings scroll inside their own boxes);
 - at 1280 px, no code listing or printed output wider than its box (``scrollWidth > clientWidth``,
-  measured in the page), except the blocks named in WIDE_BY_NATURE;
+  measured in the page), except the blocks named in WIDE_BY_NATURE, and no display equation whose
+  typeset content reaches outside its box (MathJax centres a wide one and cuts off its left end);
 - (once, at 1280 px) every internal link reaches a page or file of the build and, where it names
   an anchor, an element with that id; figure and equation references ({numref}, {eq}) among them;
   every image loads; each chapter's Colab launch link opens that chapter's own notebook.
@@ -157,6 +158,15 @@ MEASURE = """async (layout) => {
     ...where(e), tag: e.tagName, scroll: e.scrollWidth, client: e.clientWidth,
     text: e.textContent.trim().slice(0, 50)}));
   out.blocks = out.blocks.length;
+  // display maths whose typeset content reaches outside its box (cut off, or off the page)
+  const displays = [...article.querySelectorAll('mjx-container[display="true"]')];
+  out.displays = displays.length;
+  out.wideMath = displays.filter(m => m.firstElementChild).map(m => {
+    const inner = m.firstElementChild.getBoundingClientRect(), box = m.getBoundingClientRect();
+    return {over: Math.round(Math.max(box.left - inner.left, inner.right - box.right)),
+            inner: Math.round(inner.width), box: Math.round(box.width),
+            where: where(m).part, text: (m.getAttribute('aria-label') || m.textContent).slice(0, 50)};
+  }).filter(d => d.over > 1);
   out.articleOverflow = article.scrollWidth - article.clientWidth;
   out.ids = [...document.querySelectorAll('[id]')].map(e => e.id);
   out.links = [...document.querySelectorAll('a[href]')].map(a => ({
@@ -259,6 +269,11 @@ def crawl(browser, root: Path, source_root: Path | None = None,
                         result.add("wider than its box at 1280 px",
                                    f"{label} ({block['tag']}, {block['scroll']} px of content in "
                                    f"{block['client']} px): {block['text']!r}")
+                result.count("display equations", m["displays"])
+                for maths in m["wideMath"]:
+                    result.add("wider than its box at 1280 px",
+                               f"{name}: display maths in {maths['where']} ({maths['inner']} px in "
+                               f"{maths['box']} px, {maths['over']} px outside): {maths['text']!r}")
                 if m["articleOverflow"] > 0:
                     result.add("wider than its box at 1280 px",
                                f"{name}: the article itself overflows by {m['articleOverflow']} px")
@@ -341,7 +356,7 @@ def test_the_built_book_in_a_browser(browser):
     missing = expected - set(built_pages(HTML))
     assert not missing, sorted(missing)
     assert result.counts["Colab links"] == chapters
-    for kind in ("math elements", "code and output blocks", "internal links",
+    for kind in ("math elements", "display equations", "code and output blocks", "internal links",
                  "figure and equation references", "images"):
         assert result.counts.get(kind, 0) > 0, f"no {kind} found: the page structure changed?"
 
@@ -378,6 +393,8 @@ def test_each_check_can_fail(browser, tmp_path):
         '<img src="_images/missing.png"> <p>left as typed: $x^2$</p>'
         '<span class="math">\\(y\\)</span>'
         '<img src="https://example.invalid/off-host.png">'
+        '<mjx-container display="true" aria-label="too wide" style="display: block; '
+        'width: 300px"><svg width="800" height="10"></svg></mjx-container>'
         '<script>console.error("boom")</script><script>throw new Error("uncaught")</script>'
         '</article>'
         '<div style="width: 2000px">a page wider than any window</div></body></html>')
@@ -389,6 +406,8 @@ def test_each_check_can_fail(browser, tmp_path):
             "WIDE_BY_NATURE entry that fits now (drop it)", "script error",
             "request to another host"} <= kinds, report(result.problems)
     assert any("bad:cell #0 input" in m for m in result.problems["wider than its box at 1280 px"])
+    assert any("display maths" in m and "too wide" in m
+               for m in result.problems["wider than its box at 1280 px"])
     assert any("missing.html" in m for m in result.problems["broken internal link"])
     assert any("good.html#nowhere" in m for m in result.problems["broken internal link"])
     good_only = {k: [m for m in v if m.startswith("good.html")] for k, v in result.problems.items()}
