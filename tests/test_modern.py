@@ -297,7 +297,8 @@ def test_muon_groups_match_torch_optimizers():
     w_ref, b_ref = (torch.nn.Parameter(t.detach().clone()) for t in (w, b))
     ours = MuonAdamW([{"params": [w], "use_muon": True}, {"params": [b]}], lr=0.02, weight_decay=0.1)
     # lib's Newton-Schulz uses addmm, as torch 2.13's Muon always does; a torch where it is an option
-    # (use_addmm, which rounds differently in bfloat16) is asked for it explicitly
+    # (use_addmm, off by default: its plain matmul path rounds differently in bfloat16) is asked
+    # for it explicitly
     addmm = {"use_addmm": True} if "use_addmm" in inspect.signature(torch.optim.Muon).parameters else {}
     muon = torch.optim.Muon([w_ref], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
                             **addmm)
