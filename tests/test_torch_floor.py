@@ -13,11 +13,9 @@ runtimes a notebook can pin go back to 2.6), while CI runs the locked 2.13. So:
   ``from torch... import``), every keyword passed to a torch callable and every ``Tensor``/
   ``Module``/``Optimizer`` method called (``x.m(...)``) must be in ``SINCE`` or in
   ``torch_api_baseline.txt`` (APIs of torch 2.0 or earlier). A new API fails here until
-  someone looks up its version and files it. Not seen by the scan: a Tensor property read
-  without a call (``x.nbytes``, ``x.mT``) and a keyword passed to a method
-  (``m.load_state_dict(sd, assign=True)``). ``Tensor.nbytes`` (2.1) is in ``SINCE`` only because
-  the scan meets a method of that name (``lib.kv_quant``'s ``nbytes()``); the chapters' reads of
-  the tensor property are not seen. Recording property reads is the fix still to make.
+  someone looks up its version and files it. Tensor properties read without a call (``x.mT``,
+  ``x.nbytes``) count too, by name, like methods. Not seen by the scan: a keyword passed to a
+  method (``m.load_state_dict(sd, assign=True)``).
 """
 from __future__ import annotations
 
@@ -101,6 +99,9 @@ def sources() -> dict[str, str]:
 _BUILTIN_NAMES = set().union(*(dir(t) for t in (str, bytes, list, dict, set, tuple, int, float)))
 _METHOD_OWNERS = {"Tensor": torch.Tensor, "Module": torch.nn.Module,
                   "Optimizer": torch.optim.Optimizer}
+# Tensor attributes read without a call (x.mT, x.nbytes): properties, not methods
+_TENSOR_PROPERTIES = {name for name in dir(torch.Tensor) if not name.startswith("_")
+                      and not callable(getattr(torch.Tensor, name, None))} - _BUILTIN_NAMES
 
 
 def torch_apis(source: str) -> set[str]:
@@ -135,8 +136,14 @@ def torch_apis(source: str) -> set[str]:
             if isinstance(parents.get(node), ast.Attribute):
                 continue  # only the whole chain
             name = chain(node)
+            called = isinstance(parents.get(node), ast.Call) and parents[node].func is node
+            other = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
+                node.value.id in others)
             if name is not None:
                 used.add(name)
+            elif (isinstance(node, ast.Attribute) and not called and not other
+                  and node.attr in _TENSOR_PROPERTIES):
+                used.add(f"Tensor.{node.attr}")
             elif (isinstance(node, ast.Attribute) and node.attr not in _BUILTIN_NAMES
                   and isinstance(parents.get(node), ast.Call) and parents[node].func is node
                   and not (isinstance(node.value, ast.Name) and node.value.id in others)):
@@ -256,6 +263,8 @@ def test_floor_covers_what_the_chapters_need():
     ("from torch.nn.attention import sdpa_kernel\nsdpa_kernel(b)",
      {"torch.nn.attention.sdpa_kernel"}),
     ("import numpy as np\nnp.zeros(3)", set()),
+    ("y = x.mT @ x\nprint(x.nbytes)", {"Tensor.mT", "Tensor.nbytes"}),
+    ("import numpy as np\nprint(np.ndim(a))", set()),
 ])
 def test_the_scan_sees_a_use(source, expected):
     """The scan is the test's eyes: a late API in any spelling must show up in it."""
