@@ -14,8 +14,10 @@ runtimes a notebook can pin go back to 2.6), while CI runs the locked 2.13. So:
   ``Module``/``Optimizer`` method called (``x.m(...)``) must be in ``SINCE`` or in
   ``torch_api_baseline.txt`` (APIs of torch 2.0 or earlier). A new API fails here until
   someone looks up its version and files it. Tensor properties read without a call (``x.mT``,
-  ``x.nbytes``) count too, by name, like methods. Not seen by the scan: a keyword passed to a
-  method (``m.load_state_dict(sd, assign=True)``).
+  ``x.nbytes``) count too, by name, like methods, and so does a keyword passed to a method
+  (``m.load_state_dict(sd, assign=True)``) where the installed torch's method of that name takes
+  it (the newest torch is installed, so a late keyword is seen; another library's method of the
+  same name with its own keywords is not counted).
 """
 from __future__ import annotations
 
@@ -147,8 +149,12 @@ def torch_apis(source: str) -> set[str]:
             elif (isinstance(node, ast.Attribute) and node.attr not in _BUILTIN_NAMES
                   and isinstance(parents.get(node), ast.Call) and parents[node].func is node
                   and not (isinstance(node.value, ast.Name) and node.value.id in others)):
-                used.update(f"{owner}.{node.attr}" for owner, cls in _METHOD_OWNERS.items()
-                            if not node.attr.startswith("_") and hasattr(cls, node.attr))
+                owners = [(owner, getattr(cls, node.attr)) for owner, cls in _METHOD_OWNERS.items()
+                          if not node.attr.startswith("_") and hasattr(cls, node.attr)]
+                used.update(f"{owner}.{node.attr}" for owner, _ in owners)
+                # its keywords, where torch's method takes them (scatter(color=) is matplotlib's)
+                used.update(f"{owner}.{node.attr}({k.arg}=)" for owner, method in owners
+                            for k in parents[node].keywords if k.arg and takes(method, k.arg))
         if isinstance(node, ast.Call) and (name := chain(node.func)) is not None:
             used.update(f"{name}({k.arg}=)" for k in node.keywords if k.arg)
     return used
@@ -205,6 +211,22 @@ def accepts(fn: object, keyword: str) -> bool:
         return keyword in inspect.signature(fn).parameters  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return re.search(rf"\b{keyword}\s*=", (fn.__doc__ or "")[:600]) is not None
+
+
+def takes(method: object, keyword: str) -> bool:
+    """Whether a torch method may take ``keyword``: :func:`accepts`, or its ``**kwargs`` (e.g.
+    ``Tensor.to``), or the torch function of the same name (``Tensor.argsort``'s docstring
+    omits ``stable``, ``torch.argsort``'s has it)."""
+    name = getattr(method, "__name__", "")
+    function = getattr(torch, name, None)
+    try:
+        sig = inspect.signature(method)  # type: ignore[arg-type]
+        if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            return True
+    except (TypeError, ValueError):
+        if "**kwargs" in (getattr(method, "__doc__", "") or "")[:200]:
+            return True
+    return accepts(method, keyword) or (callable(function) and accepts(function, keyword))
 
 
 def test_every_torch_api_used_is_filed():
@@ -264,6 +286,9 @@ def test_floor_covers_what_the_chapters_need():
      {"torch.nn.attention.sdpa_kernel"}),
     ("import numpy as np\nnp.zeros(3)", set()),
     ("y = x.mT @ x\nprint(x.nbytes)", {"Tensor.mT", "Tensor.nbytes"}),
+    ("m.load_state_dict(sd, assign=True)", {"Module.load_state_dict", "Optimizer.load_state_dict",
+                                            "Module.load_state_dict(assign=)"}),
+    ("ax.scatter(x, y, color='k')", {"Tensor.scatter"}),
     ("import numpy as np\nprint(np.ndim(a))", set()),
 ])
 def test_the_scan_sees_a_use(source, expected):
