@@ -14,10 +14,12 @@ runtimes a notebook can pin go back to 2.6), while CI runs the locked 2.13. So:
   ``Module``/``Optimizer`` method called (``x.m(...)``) must be in ``SINCE`` or in
   ``torch_api_baseline.txt`` (APIs of torch 2.0 or earlier). A new API fails here until
   someone looks up its version and files it. Tensor properties read without a call (``x.mT``,
-  ``x.nbytes``) count too, by name, like methods, and so does a keyword passed to a method
-  (``m.load_state_dict(sd, assign=True)``) where the installed torch's method of that name takes
-  it (the newest torch is installed, so a late keyword is seen; another library's method of the
-  same name with its own keywords is not counted).
+  ``x.nbytes``), anywhere in a chain, count too, by name, like methods, and so does a keyword
+  passed to a method (``m.load_state_dict(sd, assign=True)``) where the installed torch's method
+  of that name takes it (by signature, ATen operator schema or docstring; the newest torch is
+  installed, so a late keyword is seen, while matplotlib's ``scatter(color=)`` is not counted).
+  Not seen: a method whose name built-in types share (``sort``, ``split``, ``add``, ``index``)
+  called without a keyword that only torch's takes (``x.sort()`` is taken for a list's).
 """
 from __future__ import annotations
 
@@ -134,29 +136,22 @@ def torch_apis(source: str) -> set[str]:
 
     used = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Attribute, ast.Name)):
-            if isinstance(parents.get(node), ast.Attribute):
-                continue  # only the whole chain
-            name = chain(node)
-            called = isinstance(parents.get(node), ast.Call) and parents[node].func is node
-            other = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
-                node.value.id in others)
-            if name is not None:
-                used.add(name)
-            elif (isinstance(node, ast.Attribute) and not called and not other
-                  and node.attr in _TENSOR_PROPERTIES):
-                used.add(f"Tensor.{node.attr}")
-            elif (isinstance(node, ast.Attribute) and node.attr not in _BUILTIN_NAMES
-                  and isinstance(parents.get(node), ast.Call) and parents[node].func is node
-                  and not (isinstance(node.value, ast.Name) and node.value.id in others)):
-                owners = [(owner, getattr(cls, node.attr)) for owner, cls in _METHOD_OWNERS.items()
-                          if not node.attr.startswith("_") and hasattr(cls, node.attr)]
-                used.update(f"{owner}.{node.attr}" for owner, _ in owners)
-                # its keywords, where torch's method takes them (scatter(color=) is matplotlib's)
-                used.update(f"{owner}.{node.attr}({k.arg}=)" for owner, method in owners
-                            for k in parents[node].keywords if k.arg and takes(method, k.arg))
         if isinstance(node, ast.Call) and (name := chain(node.func)) is not None:
             used.update(f"{name}({k.arg}=)" for k in node.keywords if k.arg)
+        if not isinstance(node, (ast.Attribute, ast.Name)):
+            continue
+        if (name := chain(node)) is not None:
+            if not isinstance(parents.get(node), ast.Attribute):
+                used.add(name)  # only the whole chain
+            continue
+        if (not isinstance(node, ast.Attribute) or node.attr.startswith("_")
+                or isinstance(node.value, ast.Name) and node.value.id in others):
+            continue
+        call = parents.get(node)
+        if isinstance(call, ast.Call) and call.func is node:
+            used |= method_uses(node.attr, [k.arg for k in call.keywords if k.arg])
+        elif node.attr in _TENSOR_PROPERTIES:  # read anywhere in a chain: x.mT.contiguous()
+            used.add(f"Tensor.{node.attr}")
     return used
 
 
@@ -213,20 +208,45 @@ def accepts(fn: object, keyword: str) -> bool:
         return re.search(rf"\b{keyword}\s*=", (fn.__doc__ or "")[:600]) is not None
 
 
+def method_uses(attr: str, keywords: list[str]) -> set[str]:
+    """'Owner.attr' and 'Owner.attr(kw=)' for a call x.attr(..., kw=...) of a torch method name.
+    Keywords count where torch's method takes them (``ax.scatter(color=)`` is matplotlib's). A
+    name that built-in types also have (``sort``, ``split``, ``add``) counts only through a
+    keyword torch's method takes and theirs do not (``x.sort(stable=True)``, not ``xs.sort()``)."""
+    owners = [(owner, getattr(cls, attr)) for owner, cls in _METHOD_OWNERS.items()
+              if hasattr(cls, attr)]
+    ours = {kw: [owner for owner, method in owners if takes(method, kw)] for kw in keywords}
+    if attr in _BUILTIN_NAMES:
+        ours = {kw: found for kw, found in ours.items() if found and not _builtin_takes(attr, kw)}
+        if not ours:
+            return set()
+    return ({f"{owner}.{attr}" for owner, _ in owners}
+            | {f"{owner}.{attr}({kw}=)" for kw, found in ours.items() for owner in found})
+
+
+def _builtin_takes(attr: str, keyword: str) -> bool:
+    methods = [getattr(t, attr) for t in (str, bytes, list, dict, set, tuple, int, float)
+               if hasattr(t, attr)]
+    return any(accepts(method, keyword) for method in methods)
+
+
 def takes(method: object, keyword: str) -> bool:
-    """Whether a torch method may take ``keyword``: :func:`accepts`, or its ``**kwargs`` (e.g.
-    ``Tensor.to``), or the torch function of the same name (``Tensor.argsort``'s docstring
-    omits ``stable``, ``torch.argsort``'s has it)."""
-    name = getattr(method, "__name__", "")
-    function = getattr(torch, name, None)
+    """Whether a torch method may take ``keyword``: its signature (``**kwargs`` too, as
+    ``Module.to``'s), the operator schemas of the ATen op of its name (every overload, so
+    ``Tensor.cumsum``'s ``dim``, which its docstring shows without a default), or its docstring."""
     try:
-        sig = inspect.signature(method)  # type: ignore[arg-type]
-        if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-            return True
+        params = inspect.signature(method).parameters.values()  # type: ignore[arg-type]
+        return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
     except (TypeError, ValueError):
-        if "**kwargs" in (getattr(method, "__doc__", "") or "")[:200]:
-            return True
-    return accepts(method, keyword) or (callable(function) and accepts(function, keyword))
+        pass
+    name = getattr(method, "__name__", "")
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
+    except (AttributeError, RuntimeError):
+        schemas = []
+    if any(arg.name == keyword for schema in schemas for arg in schema.arguments):
+        return True
+    return accepts(method, keyword) or "**kwargs" in (method.__doc__ or "")[:200]
 
 
 def test_every_torch_api_used_is_filed():
@@ -289,6 +309,11 @@ def test_floor_covers_what_the_chapters_need():
     ("m.load_state_dict(sd, assign=True)", {"Module.load_state_dict", "Optimizer.load_state_dict",
                                             "Module.load_state_dict(assign=)"}),
     ("ax.scatter(x, y, color='k')", {"Tensor.scatter"}),
+    ("y = x.mT.contiguous()\nn = x.nbytes.bit_length()", {"Tensor.mT", "Tensor.contiguous",
+                                                          "Tensor.nbytes"}),
+    ("x.sort(dim=-1, stable=True)\nxs.sort(reverse=True)\nparts.split(',')",
+     {"Tensor.sort", "Tensor.sort(dim=)", "Tensor.sort(stable=)"}),
+    ("x.cumsum(dim=0)", {"Tensor.cumsum", "Tensor.cumsum(dim=)"}),
     ("import numpy as np\nprint(np.ndim(a))", set()),
 ])
 def test_the_scan_sees_a_use(source, expected):
