@@ -8,8 +8,9 @@ server and opened at a laptop width (1280 x 900) and a phone width (390 x 844). 
 - every math element typeset by MathJax, and no raw TeX (``$...$``, ``\\[``, ``\\(``) left in the text;
 - the page itself no wider than the window (long listings scroll inside their own boxes);
 - at 1280 px, no code listing or printed output wider than its box (``scrollWidth > clientWidth``,
-  measured in the page), except the blocks named in WIDE_BY_NATURE, and no display equation whose
-  typeset content reaches outside its box (MathJax centres a wide one and cuts off its left end);
+  measured in the page), except the blocks named in WIDE_BY_NATURE, and no display equation
+  reaching outside its ``div.math`` box (the theme lays that box out right to left, so a wide
+  equation sticks out of its left edge, cut off where the page cannot scroll);
 - (once, at 1280 px) every internal link reaches a page or file of the build and, where it names
   an anchor, an element with that id; figure and equation references ({numref}, {eq}) among them;
   every image loads; each chapter's Colab launch link opens that chapter's own notebook.
@@ -158,11 +159,13 @@ MEASURE = """async (layout) => {
     ...where(e), tag: e.tagName, scroll: e.scrollWidth, client: e.clientWidth,
     text: e.textContent.trim().slice(0, 50)}));
   out.blocks = out.blocks.length;
-  // display maths whose typeset content reaches outside its box (cut off, or off the page)
+  // display maths that reach outside their div.math (the theme lays that box out right to left,
+  // so a wide equation sticks out of its left edge, where the page cannot scroll to it)
   const displays = [...article.querySelectorAll('mjx-container[display="true"]')];
   out.displays = displays.length;
-  out.wideMath = displays.filter(m => m.firstElementChild).map(m => {
-    const inner = m.firstElementChild.getBoundingClientRect(), box = m.getBoundingClientRect();
+  out.wideMath = displays.map(m => {
+    const inner = m.getBoundingClientRect();
+    const box = (m.closest('div.math') || m.parentElement).getBoundingClientRect();
     return {over: Math.round(Math.max(box.left - inner.left, inner.right - box.right)),
             inner: Math.round(inner.width), box: Math.round(box.width),
             where: where(m).part, text: (m.getAttribute('aria-label') || m.textContent).slice(0, 50)};
@@ -393,8 +396,10 @@ def test_each_check_can_fail(browser, tmp_path):
         '<img src="_images/missing.png"> <p>left as typed: $x^2$</p>'
         '<span class="math">\\(y\\)</span>'
         '<img src="https://example.invalid/off-host.png">'
+        '<div class="math" style="display: flex; flex-direction: row-reverse; width: 300px">'
         '<mjx-container display="true" aria-label="too wide" style="display: block; '
-        'width: 300px"><svg width="800" height="10"></svg></mjx-container>'
+        'flex-shrink: 0; overflow: visible"><svg width="800" height="10"></svg></mjx-container>'
+        '</div>'
         '<script>console.error("boom")</script><script>throw new Error("uncaught")</script>'
         '</article>'
         '<div style="width: 2000px">a page wider than any window</div></body></html>')
