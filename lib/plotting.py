@@ -173,14 +173,19 @@ def pipeline_figure(highlight: str | Sequence[str] | None = None) -> Figure:
     return fig
 
 
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|")  # a bare | would end the cell
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
     """A table for the book's pages: Markdown that Jupyter renders and the HTML build shows as a table."""
     bad = [i for i, row in enumerate(rows) if len(row) != len(headers)]
     if not headers or bad:
         raise ValueError(f"headers must name at least one column and every row must have one cell "
                          f"per header ({len(headers)}); rows {bad} do not")
-    lines = [list(headers), ["---"] * len(headers), *[[str(x) for x in row] for row in rows]]
-    text = "\n".join("| " + " | ".join(str(x) for x in line) + " |" for line in lines)
+    lines = [[_cell(x) for x in headers], ["---"] * len(headers),
+             *[[_cell(x) for x in row] for row in rows]]
+    text = "\n".join("| " + " | ".join(line) + " |" for line in lines)
     try:
         from IPython.display import Markdown
     except ImportError:  # pragma: no cover

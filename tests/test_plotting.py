@@ -73,6 +73,16 @@ def test_markdown_table():
         plotting.markdown_table([], [])
 
 
+def test_markdown_table_renders_a_pipe_in_a_cell():
+    """A '|' inside a cell (p(<|im_end|>)) is escaped, so the table stays a table."""
+    from markdown_it import MarkdownIt
+
+    table = plotting.markdown_table(["token", "p(<|im_end|>)"], [["a|b", 0.5]])
+    html = MarkdownIt("commonmark").enable("table").render(getattr(table, "data", table))
+    assert html.count("<th>") == 2 and html.count("<td>") == 2
+    assert "<th>p(&lt;|im_end|&gt;)</th>" in html and "<td>a|b</td>" in html
+
+
 def test_size_rule_scales_with_figure_width():
     assert plotting.min_font_size(6.4) == plotting.READABLE_PT  # narrower than the page: shown as is
     assert plotting.min_font_size(2 * plotting.PAGE_WIDTH_IN) == 2 * plotting.READABLE_PT
