@@ -10,9 +10,15 @@ a copy of the model are trained by :func:`lib.posttrain.grpo` (``--group`` sampl
 each of ``--prompts`` prompts per step at ``--temperature``, one update per batch, a k3
 penalty ``--beta`` to the frozen starting model), ``--steps`` steps per seed.
 
-Prints, per seed, the steps, the wall time and held-out pass@1 (greedy, strict rule)
-before and after, then the book's verdict (lib.stats.compare) over the seeds, and the
-load average before and after.
+Evaluation is greedy with its own cap, ``--eval-new`` new tokens (12, page E's cap for
+this prompt), so that replies in equation form ("9 + 0 = 9") are read whole; sampling
+keeps ``--max-new``. Prints, per seed, the steps, the wall time, held-out greedy pass@1
+(strict rule) before and after, McNemar's exact test of after against before on the
+held-out items (lib.evaluation.mcnemar_exact) and the seed's strict gains split into
+items whose starting reply already held the right sum in another form (its last number,
+the lenient rule) and items whose starting reply had a wrong number; then the book's
+verdict (lib.stats.compare) over the seeds, an exact sign test over the items whose
+correctness averaged over the seeds moved, and the load average before and after.
 
     .venv/bin/python benchmarks/rl_sums.py [--steps 120] [--seeds 3] [--threads 1]
 """
@@ -33,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lib.model import completions, left_pad  # noqa: E402
 from lib.posttrain import grpo  # noqa: E402
 from lib.smollm import from_gguf, smollm2_gguf  # noqa: E402
+from lib.evaluation import mcnemar_exact  # noqa: E402
 from lib.stats import compare  # noqa: E402
 
 
@@ -40,6 +47,12 @@ def strict(reply: str) -> int | None:
     "The rule: the reply is one whole number (spaces and a final full stop allowed)."
     found = re.fullmatch(r"\s*(-?\d+)\.?\s*", reply)
     return int(found[1]) if found else None
+
+
+def lenient(reply: str) -> int | None:
+    "For measuring only: the last whole number anywhere in the reply."
+    found = re.findall(r"-?\d+", reply)
+    return int(found[-1]) if found else None
 
 
 def main() -> None:
@@ -54,6 +67,7 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new", type=int, default=4)
+    parser.add_argument("--eval-new", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=0)
     args = parser.parse_args()
@@ -74,20 +88,23 @@ def main() -> None:
         return tok.decode([t for t in ids if t != newline])
 
     @torch.no_grad()
-    def pass_at_1(model) -> float:
+    def greedy(model) -> tuple[list[bool], list[bool]]:
+        "Per held-out item: right by the strict rule, right by the lenient rule."
         ids, mask = left_pad([prompt(a, b) for a, b in held], pad_id=newline)
-        out = model.generate(ids, args.max_new, temperature=0.0, stop_id=newline,
+        out = model.generate(ids, args.eval_new, temperature=0.0, stop_id=newline,
                              attention_mask=mask)
         said = [text(r) for r in completions(out, ids.size(1), newline)]
-        return sum(strict(r) == a + b for r, (a, b) in zip(said, held)) / len(held)
+        return ([strict(r) == a + b for r, (a, b) in zip(said, held)],
+                [lenient(r) == a + b for r, (a, b) in zip(said, held)])
 
     def reward(i: int, response: list[int]) -> float:
         a, b = train[i]
         return float(strict(text(response)) == a + b)
 
     prompts = [prompt(a, b) for a, b in train]
-    start = pass_at_1(base)
-    before, after = [], []
+    start = greedy(base)
+    rate = sum(start[0]) / len(held)
+    before, after, items = [], [], []
     for seed in range(args.seeds):
         model = copy.deepcopy(base)
         model.blocks[-args.top:].requires_grad_(True)
@@ -97,8 +114,10 @@ def main() -> None:
                    max_new_tokens=args.max_new, temperature=args.temperature,
                    beta=args.beta, ref_model=base, seed=seed)
         wall = time.time() - t0
-        before.append(start)
-        after.append(pass_at_1(model))
+        right, _ = greedy(model)
+        items.append(right)
+        before.append(rate)
+        after.append(sum(right) / len(held))
         if args.log_every:
             for k in range(0, args.steps, args.log_every):
                 rows = log[k:k + args.log_every]
@@ -108,8 +127,18 @@ def main() -> None:
                       f"{sum(r['length'] for r in rows) / len(rows):.2f}")
         print(f"seed {seed}: {args.steps} steps, {wall:.0f} s, held-out pass@1 "
               f"{before[-1]:.3f} -> {after[-1]:.3f} ({len(held)} items)", flush=True)
+        only_before, only_after, p = mcnemar_exact(start[0], right)
+        gained = [i for i in range(len(held)) if right[i] and not start[0][i]]
+        form = sum(start[1][i] for i in gained)
+        print(f"  items right only after {only_after}, only before {only_before}, "
+              f"McNemar p = {p:.2g}; of the gains, right sum before in another form "
+              f"{form}, wrong number before {len(gained) - form}", flush=True)
     if args.seeds >= 3:
-        print("after vs before:", compare(after, before))
+        print("after vs before, over seeds:", compare(after, before))
+    change = [sum(r[i] for r in items) / len(items) - start[0][i]
+              for i in range(len(held))]
+    down, up, p = mcnemar_exact([c < 0 for c in change], [c > 0 for c in change])
+    print(f"items, mean over seeds: {up} up, {down} down, sign test p = {p:.2g}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
