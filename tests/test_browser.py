@@ -10,7 +10,7 @@ server and opened at a laptop width (1280 x 900) and a phone width (390 x 844). 
 - at 1280 px, no code listing or printed output wider than its box (``scrollWidth > clientWidth``,
   measured in the page), except the blocks named in WIDE_BY_NATURE, and no display equation
   reaching outside its ``div.math`` box (the theme lays that box out right to left, so a wide
-  equation sticks out of its left edge, cut off where the page cannot scroll);
+  equation opens scrolled to its end, its start hidden off the left until the reader scrolls);
 - (once, at 1280 px) every internal link reaches a page or file of the build and, where it names
   an anchor, an element with that id; figure and equation references ({numref}, {eq}) among them;
   every image loads; each chapter's Colab launch link opens that chapter's own notebook.
@@ -51,8 +51,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 # numbers that wrapping would garble): "page stem:cell id" -> why. Each entry must still be wide
 # (an entry that fits again is reported, so the list cannot rot).
 WIDE_BY_NATURE: dict[str, str] = {
-    "A4_post_training:4bbb556b output": "page D's DPO table: 13 columns of numbers per run, "
-                                        "scrolled sideways inside its own box",
+    "A4_post_training:4bbb556b output": "page D's 13-column DPO table: its bold headers hold "
+                                        "words that cannot break (p(<|im_end|>), "
+                                        "'(teacher-forced)'); it scrolls inside its box",
 }
 RAW_TEX = re.compile(r"\$[^$\s][^$\n]{0,200}?\$|\\\[|\\\(|\\begin\{")
 
@@ -163,7 +164,7 @@ MEASURE = """async (layout) => {
     text: e.textContent.trim().slice(0, 50)}));
   out.blocks = out.blocks.length;
   // display maths that reach outside their div.math (the theme lays that box out right to left,
-  // so a wide equation sticks out of its left edge, where the page cannot scroll to it)
+  // so a wide equation opens scrolled to its end, its start hidden off the box's left edge)
   const displays = [...article.querySelectorAll('mjx-container[display="true"]')];
   out.displays = displays.length;
   out.wideMath = displays.map(m => {
