@@ -28,7 +28,6 @@ import argparse
 import copy
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -39,20 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lib.model import completions, left_pad  # noqa: E402
 from lib.posttrain import grpo  # noqa: E402
 from lib.smollm import from_gguf, smollm2_gguf  # noqa: E402
-from lib.evaluation import mcnemar_exact  # noqa: E402
+from lib.evaluation import last_number, mcnemar_exact, strict_number  # noqa: E402
 from lib.stats import compare  # noqa: E402
-
-
-def strict(reply: str) -> int | None:
-    "The rule: the reply is one whole number (spaces and a final full stop allowed)."
-    found = re.fullmatch(r"\s*(-?\d+)\.?\s*", reply)
-    return int(found[1]) if found else None
-
-
-def lenient(reply: str) -> int | None:
-    "For measuring only: the last whole number anywhere in the reply."
-    found = re.findall(r"-?\d+", reply)
-    return int(found[-1]) if found else None
 
 
 def main() -> None:
@@ -94,12 +81,12 @@ def main() -> None:
         out = model.generate(ids, args.eval_new, temperature=0.0, stop_id=newline,
                              attention_mask=mask)
         said = [text(r) for r in completions(out, ids.size(1), newline)]
-        return ([strict(r) == a + b for r, (a, b) in zip(said, held)],
-                [lenient(r) == a + b for r, (a, b) in zip(said, held)])
+        return ([strict_number(r) == a + b for r, (a, b) in zip(said, held)],
+                [last_number(r) == a + b for r, (a, b) in zip(said, held)])
 
     def reward(i: int, response: list[int]) -> float:
         a, b = train[i]
-        return float(strict(text(response)) == a + b)
+        return float(strict_number(text(response)) == a + b)
 
     prompts = [prompt(a, b) for a, b in train]
     start = greedy(base)

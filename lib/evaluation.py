@@ -13,10 +13,14 @@ and how sure a score is.
   :func:`mcnemar_exact` (two systems on the same items, by their discordant pairs).
 - :func:`calibration`: accuracy against confidence per bin, and the expected
   calibration error.
+- :func:`strict_number` and :func:`last_number`: two rules for reading a number out
+  of a generated reply, one that asks for the number alone and one that takes the
+  last number it finds (pages E and F compare them and reward by the first).
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Sequence
@@ -187,3 +191,22 @@ def majority_vote(answers: Sequence[object]) -> object:
         if a is not None:
             votes[a] = votes.get(a, 0) + 1
     return max(votes, key=votes.get) if votes else None
+
+
+def strict_number(reply: str) -> int | None:
+    """The reply read as one whole number, or None: optional spaces, an optional
+    minus sign, digits, an optional final full stop, optional spaces, nothing else
+    (``" 12."`` gives 12; ``"12 apples"`` and ``"5 + 7 = 12"`` give None)."""
+    if not isinstance(reply, str):
+        raise TypeError(f"reply must be a str, got {type(reply).__name__}")
+    found = re.fullmatch(r"\s*(-?\d+)\.?\s*", reply)
+    return int(found[1]) if found else None
+
+
+def last_number(reply: str) -> int | None:
+    """The last whole number anywhere in the reply (an optional minus sign and
+    digits), or None when there is none (``"5 + 7 = 12"`` gives 12)."""
+    if not isinstance(reply, str):
+        raise TypeError(f"reply must be a str, got {type(reply).__name__}")
+    found = re.findall(r"-?\d+", reply)
+    return int(found[-1]) if found else None

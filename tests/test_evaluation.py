@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from lib.config import GPTConfig
-from lib.evaluation import (bits_per_byte, calibration, continuation_logprobs, majority_vote,
+from lib.evaluation import (bits_per_byte, calibration, continuation_logprobs, last_number,
+                            majority_vote, strict_number,
                             mcnemar_exact, pass_at_k, split_pair, wilson_interval)
 from lib.model import GPT
 from lib.tokenizers import CharTokenizer
@@ -177,6 +178,43 @@ def test_majority_vote():
     assert majority_vote([None, None]) is None
 
 
+@pytest.mark.parametrize("reply, strict, last", [
+    ("12", 12, 12), (" 12", 12, 12), (" 12.", 12, 12), ("12 .", None, 12),
+    ("-3", -3, -3), (" 5 + 7 = 12", None, 12), ("12 apples", None, 12),
+    ("1.5", None, 5), ("", None, None), (" .", None, None), ("twelve", None, None),
+    ("0012", 12, 12), ("12\n", 12, 12), ("12..", None, 12), ("3-4", None, -4),
+])
+def test_number_rules_on_written_out_cases(reply, strict, last):
+    assert strict_number(reply) == strict
+    assert last_number(reply) == last
+
+
+def _last_number_by_scanning(reply: str):
+    "The same rule as last_number, read right to left one character at a time."
+    end = len(reply)
+    while end and not reply[end - 1].isdigit():
+        end -= 1
+    if not end:
+        return None
+    start = end
+    while start and reply[start - 1].isdigit():
+        start -= 1
+    sign = -1 if start and reply[start - 1] == "-" else 1
+    return sign * int(reply[start:end])
+
+
+def test_number_rules_on_random_replies():
+    rng = random.Random(0)
+    for _ in range(2000):
+        reply = "".join(rng.choice("0123456789 -.+=ab") for _ in range(rng.randint(0, 9)))
+        assert last_number(reply) == _last_number_by_scanning(reply), reply
+        body = reply.strip()  # then at most one final full stop, then -?digits
+        body = body[:-1] if body.endswith(".") else body
+        digits = body[1:] if body.startswith("-") else body
+        whole = digits.isdigit()
+        assert strict_number(reply) == (int(body) if whole else None), reply
+
+
 def test_bad_input_raises(smollm2):
     model, tokenizer = smollm2
     with pytest.raises(ValueError, match="continuations"):
@@ -197,5 +235,8 @@ def test_bad_input_raises(smollm2):
         bits_per_byte(model, tokenizer, "a")
     with pytest.raises(ValueError, match="window"):
         bits_per_byte(model, tokenizer, "a b c", window=0)
+    for rule in (strict_number, last_number):
+        with pytest.raises(TypeError, match="reply must be a str"):
+            rule(12)
     with pytest.raises(ValueError, match="same items"):
         mcnemar_exact([True], [True, False])
