@@ -33,3 +33,23 @@ def pytest_configure(config):
     sanitize = getattr(config.option, "nbval_sanitize_with", None)
     if sanitize and not os.path.isabs(sanitize) and not os.path.exists(sanitize):
         config.option.nbval_sanitize_with = str(ROOT / sanitize)
+
+
+_NOTEBOOK_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add up each notebook's cell times (setup, call and teardown), for the summary below."""
+    if str(report.nodeid).split("::")[0].endswith(".ipynb"):
+        name = report.nodeid.split("::")[0]
+        _NOTEBOOK_SECONDS[name] = _NOTEBOOK_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each notebook's seconds under nbval, slowest first: where the CI budget goes (each page
+    should take at most 6 minutes on CI's 2-core machine)."""
+    if _NOTEBOOK_SECONDS:
+        terminalreporter.section("seconds per notebook")
+        for name, seconds in sorted(_NOTEBOOK_SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
+        terminalreporter.write_line(f"{sum(_NOTEBOOK_SECONDS.values()):8.1f} s  in all")
