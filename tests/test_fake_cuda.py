@@ -115,3 +115,23 @@ def test_a_random_draw_needs_a_generator_of_its_own_device(shim):
         "cuda-on-cuda uniform_ cuda:0",
         "cuda-on-cuda multinomial cuda:0",
         "cuda True True"]
+
+
+def test_the_shortened_emulated_run_matches_the_chapters():
+    """`make devices` trains 12a shorter (SHORTER in tools/fake_cuda_chapters.py): each line it
+    replaces is in exactly one code cell, and every cell allowed to fail there exists."""
+    import nbformat
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import fake_cuda_chapters as tool
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    for stem, lines in tool.SHORTER.items():
+        nb = nbformat.read(ROOT / "chapters" / f"{stem}.ipynb", as_version=4)
+        ids = {c.get("id") for c in nb.cells}
+        assert set(tool.NEEDS_FULL_LENGTH.get(stem, {})) <= ids
+        tool.shorten(nb, stem)  # raises SystemExit when a line is not in exactly one cell
+        code = [c.source.splitlines() for c in nb.cells if c.cell_type == "code"]
+        for line, new in lines.items():
+            assert not any(line in c for c in code) and sum(new in c for c in code) == 1
+    assert set(tool.NEEDS_FULL_LENGTH) <= set(tool.SHORTER)
