@@ -46,8 +46,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Each notebook's seconds under nbval, slowest first: where the CI budget goes (each page
-    should take at most 6 minutes on CI's 2-core machine)."""
+    """Each notebook's seconds under nbval (kernel start and stop included), slowest first:
+    where CI's 40-minute budget goes (the per-chapter budgets are in the chapter guide)."""
     if _NOTEBOOK_SECONDS:
         terminalreporter.section("seconds per notebook")
         for name, seconds in sorted(_NOTEBOOK_SECONDS.items(), key=lambda kv: -kv[1]):

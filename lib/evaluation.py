@@ -194,9 +194,10 @@ def majority_vote(answers: Sequence[object]) -> object:
 
 
 def strict_number(reply: str) -> int | None:
-    """The reply read as one whole number, or None: optional spaces, an optional
-    minus sign, digits, an optional final full stop, optional spaces, nothing else
-    (``" 12."`` gives 12; ``"12 apples"`` and ``"5 + 7 = 12"`` give None)."""
+    """The reply read as one whole number, or None: optional whitespace, an optional
+    minus sign, decimal digits (``\\d``: any script's, as ``int`` reads them), an
+    optional full stop right after them, optional whitespace, nothing else (``" 12."``
+    gives 12; ``"12 ."``, ``"12 apples"`` and ``"5 + 7 = 12"`` give None)."""
     if not isinstance(reply, str):
         raise TypeError(f"reply must be a str, got {type(reply).__name__}")
     found = re.fullmatch(r"\s*(-?\d+)\.?\s*", reply)
@@ -204,8 +205,10 @@ def strict_number(reply: str) -> int | None:
 
 
 def last_number(reply: str) -> int | None:
-    """The last whole number anywhere in the reply (an optional minus sign and
-    digits), or None when there is none (``"5 + 7 = 12"`` gives 12)."""
+    """The last run of decimal digits in the reply, with a minus sign right before it
+    if there is one, as an int; None when the reply has no digit. ``"5 + 7 = 12"``
+    gives 12; it reads no decimals or separators: ``"12.5"`` gives 5, ``"10,000"`` 0
+    and ``"2024-11-26"`` -26."""
     if not isinstance(reply, str):
         raise TypeError(f"reply must be a str, got {type(reply).__name__}")
     found = re.findall(r"-?\d+", reply)

@@ -189,6 +189,12 @@ def test_number_rules_on_written_out_cases(reply, strict, last):
     assert last_number(reply) == last
 
 
+def test_number_rules_take_text_only():
+    for rule in (strict_number, last_number):
+        with pytest.raises(TypeError, match="reply must be a str"):
+            rule(12)
+
+
 def _last_number_by_scanning(reply: str):
     "The same rule as last_number, read right to left one character at a time."
     end = len(reply)
@@ -235,8 +241,5 @@ def test_bad_input_raises(smollm2):
         bits_per_byte(model, tokenizer, "a")
     with pytest.raises(ValueError, match="window"):
         bits_per_byte(model, tokenizer, "a b c", window=0)
-    for rule in (strict_number, last_number):
-        with pytest.raises(TypeError, match="reply must be a str"):
-            rule(12)
     with pytest.raises(ValueError, match="same items"):
         mcnemar_exact([True], [True, False])
