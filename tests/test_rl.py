@@ -11,8 +11,10 @@
   samples equals the exact gradient of a small categorical policy, within its standard
   error; with the group mean subtracted (not a baseline: it includes the
   reward's own draw) its mean is (G - 1) / G times that gradient;
-- rollout against one-prompt greedy generation; grpo raises a toy reward; bad arguments
-  raise errors that name them.
+- rollout against one-prompt greedy generation; grpo raises a toy reward; with the frozen
+  lower blocks shared with the reference it gives the plain path's log and weights bit for
+  bit; it logs the zero-signal share and, at beta 0, the KL; bad arguments raise errors
+  that name them.
 """
 from __future__ import annotations
 
