@@ -473,22 +473,18 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
          seed: int = 0) -> list[dict[str, float]]:
     """Group relative policy optimisation (DeepSeekMath, Shao et al. 2024), ``steps``
     times: draw ``prompts_per_step`` of ``prompts`` (a generator seeded with ``seed``),
-    sample ``group_size`` responses to each (:func:`rollout`, in eval mode), score each
-    with ``reward_fn(prompt_index, response_ids)``, turn the scores into
-    :func:`group_advantages` (``scale``), then take ``updates`` AdamW steps on the
-    model's trainable parameters with :func:`policy_loss` (``clip``, ``aggregate``; the
-    old log-probabilities are the first update's, detached). Every log-probability is
-    that of the sampling distribution, softmax(logits / ``temperature``), the
-    reference's too (as TRL's GRPO), so the ratio and the KL are measured against the
-    policy that sampled; ``temperature`` must be positive (0 would give identical
-    groups). With ``beta > 0`` the loss adds ``beta`` times the k3 estimate of the KL to
-    ``ref_model`` (frozen, e.g. a copy of the starting model). Returns per step the mean
-    ``reward``, the last update's ``loss``, the mean response ``length`` and the mean
-    per-token ``kl`` (k3, of the policy that sampled the step's responses; 0 without a
-    reference). With ``aggregate="constant"`` the divisor is ``B * max_new_tokens``
-    (TRL's ``dr_grpo``); the model is left in eval mode. Assumes a model without
-    dropout: the old log-probabilities come from a train-mode forward, the samples from
-    eval mode."""
+    sample ``group_size`` responses to each (:func:`rollout`, eval mode), score them with
+    ``reward_fn(prompt_index, response_ids)``, make :func:`group_advantages` (``scale``),
+    take ``updates`` AdamW steps on the trainable parameters with :func:`policy_loss`
+    (``clip``, ``aggregate``; old log-probabilities: the first update's, detached), all
+    log-probabilities, the reference's too, of softmax(logits / ``temperature`` > 0), as
+    TRL's GRPO. ``beta > 0`` adds ``beta`` times the k3 estimate of the KL to
+    ``ref_model`` (frozen, e.g. the starting model); with ``beta = 0`` a given
+    ``ref_model``'s KL is measured, not penalised. Returns per step the mean ``reward``,
+    the last update's ``loss``, the mean response ``length``, the mean per-token ``kl``
+    (k3, of the sampling policy; 0 without a reference), ``zero_signal`` (the share of
+    groups of equal rewards: no signal). ``aggregate="constant"`` divides by ``B *
+    max_new_tokens`` (TRL's ``dr_grpo``). Ends in eval mode; assumes no dropout."""
     if not callable(reward_fn):
         raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
     check_int("steps", steps)
@@ -500,6 +496,7 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
         raise ValueError("beta > 0 needs ref_model, the frozen model to stay near")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=lr, weight_decay=0.0)
+    shared = _shared_frozen_blocks(model, ref_model)
     picker = torch.Generator().manual_seed(seed)
     sampler = torch.Generator(device=model_device(model)).manual_seed(seed)
     log = []
@@ -510,29 +507,77 @@ def grpo(model: nn.Module, prompts: Sequence[Sequence[int]],
         rewards = torch.tensor([float(reward_fn(pick[k // group_size], r))
                                 for k, r in enumerate(responses)], dtype=torch.float64)
         advantages = group_advantages(rewards, group_size, scale)
+        groups = rewards.view(-1, group_size)  # zero signal: all of a group's equal
         row = _grpo_update(model, optimizer, examples, advantages, updates, clip,
-                           aggregate, beta, ref_model, max_new_tokens, temperature)
-        log.append({"reward": rewards.mean().item(), **row})
+                           aggregate, beta, ref_model, max_new_tokens, temperature,
+                           shared)
+        log.append({"reward": rewards.mean().item(), **row,
+                    "zero_signal": (groups == groups[:, :1]).all(1).double().mean().item()})
     return log
+
+
+def _shared_frozen_blocks(model: nn.Module, ref_model: nn.Module | None) -> int:
+    """How many of the first blocks of a GPT ``model`` are frozen and equal, with its
+    embeddings, to ``ref_model``'s (same types, parameters and buffers): 0 when the
+    models are not both GPT-shaped, or their embeddings differ or train. Their output
+    is the same for both models, so :func:`grpo` computes it once per batch."""
+    parts = ("embed", "blocks", "norm_f", "lm_head")
+    if ref_model is None or not all(hasattr(m, a) for m in (model, ref_model)
+                                    for a in parts):
+        return 0
+    mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    theirs = {**dict(ref_model.named_parameters()), **dict(ref_model.named_buffers())}
+
+    def same(names: list[str]) -> bool:
+        return all(n in theirs and not mine[n].requires_grad
+                   and mine[n].shape == theirs[n].shape and torch.equal(mine[n], theirs[n])
+                   for n in names)
+
+    lower = [n for n in mine if not n.startswith(("blocks.", "norm_f.", "lm_head."))]
+    if not same(lower):
+        return 0
+    shared = 0
+    for i, (a, b) in enumerate(zip(model.blocks, ref_model.blocks)):
+        names = [n for n in mine if n.startswith(f"blocks.{i}.")]
+        if type(a) is not type(b) or not same(names):
+            break
+        shared += 1
+    return shared
 
 
 def _grpo_update(model: nn.Module, optimizer: torch.optim.Optimizer,
                  examples: list[Example], advantages: torch.Tensor, updates: int,
                  clip: float, aggregate: str, beta: float,
                  ref_model: nn.Module | None, max_length: int,
-                 temperature: float) -> dict[str, float]:
+                 temperature: float, shared: int = 0) -> dict[str, float]:
     """:func:`grpo`'s ``updates`` optimizer steps on one batch of sampled responses,
-    log-probabilities taken at the sampling ``temperature``."""
+    log-probabilities taken at the sampling ``temperature``. The first ``shared``
+    blocks (frozen, the reference's too: :func:`_shared_frozen_blocks`) run once for
+    the batch; the logits are those of ``model(inputs)``, op for op."""
     device = model_device(model)
     inputs, targets = pad_batch(examples, device)
     mask, advantages = targets != IGNORE, advantages.float().to(device)
+    if shared:
+        with torch.no_grad(), eval_mode(model):
+            h = model.embed(inputs)
+            for block in model.blocks[:shared]:
+                h = block(h)
+
+    def logits(m: nn.Module) -> torch.Tensor:
+        if not shared:
+            return m(inputs)[0]
+        x = h
+        for block in m.blocks[shared:]:
+            x = block(x)
+        return m.lm_head(m.norm_f(x))
+
     ref = None
-    if beta > 0:
+    if ref_model is not None:
         with torch.no_grad(), eval_mode(ref_model):
-            ref = token_logprobs(ref_model(inputs)[0] / temperature, targets)
+            ref = token_logprobs(logits(ref_model) / temperature, targets)
     model.train()
     for update in range(updates):
-        logprobs = token_logprobs(model(inputs)[0] / temperature, targets)
+        logprobs = token_logprobs(logits(model) / temperature, targets)
         old = logprobs.detach() if update == 0 else old
         loss = policy_loss(logprobs, old, advantages, mask, clip, aggregate=aggregate,
                            max_length=max_length, ref_logprobs=ref, beta=beta)

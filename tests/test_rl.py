@@ -11,8 +11,10 @@
   samples equals the exact gradient of a small categorical policy, within its standard
   error; with the group mean subtracted (not a baseline: it includes the
   reward's own draw) its mean is (G - 1) / G times that gradient;
-- rollout against one-prompt greedy generation; grpo raises a toy reward; bad arguments
-  raise errors that name them.
+- rollout against one-prompt greedy generation; grpo raises a toy reward; with the frozen
+  lower blocks shared with the reference it gives the plain path's log and weights bit for
+  bit; it logs the zero-signal share and, at beta 0, the KL; bad arguments raise errors
+  that name them.
 """
 from __future__ import annotations
 
@@ -397,3 +399,54 @@ def test_grpo_scores_responses_at_the_sampling_temperature(monkeypatch):
     with pytest.raises(ValueError, match="temperature"):
         grpo(tiny_model(), [[1, 2]], lambda i, r: 0.0, steps=1, lr=1e-3, stop_id=0,
              temperature=0.0)
+
+
+def test_grpo_shares_the_frozen_lower_blocks_with_the_reference(monkeypatch):
+    """With the lower blocks frozen and equal to the reference's, grpo runs them once per
+    batch for both models: the log and the trained weights are exactly those of the
+    plain path (each model run whole); the count stops at the first block that trains
+    or differs, and is 0 when the embeddings differ."""
+    from lib import posttrain
+    torch.manual_seed(0)
+    config = GPTConfig.tiny(vocab_size=20, d_model=32, n_layers=3, n_heads=4, d_ff=64,
+                            context_length=64)
+    start = GPT(config).eval().requires_grad_(False)
+
+    def run(share: bool):
+        model = copy.deepcopy(start)
+        model.blocks[-1].requires_grad_(True)
+        if not share:
+            monkeypatch.setattr(posttrain, "_shared_frozen_blocks", lambda m, r: 0)
+        log = grpo(model, [[1, 2, 3], [4, 5]], lambda i, r: float(7 in r), steps=4,
+                   lr=1e-2, stop_id=0, group_size=4, prompts_per_step=2,
+                   max_new_tokens=5, beta=0.1, ref_model=start, updates=2)
+        monkeypatch.undo()
+        return log, model
+
+    policy = copy.deepcopy(start)
+    policy.blocks[-1].requires_grad_(True)
+    assert posttrain._shared_frozen_blocks(policy, start) == 2
+    assert posttrain._shared_frozen_blocks(policy, None) == 0
+    other = copy.deepcopy(start)
+    other.tok_emb.weight.data[0, 0] += 1.0
+    assert posttrain._shared_frozen_blocks(policy, other) == 0
+    (log_a, model_a), (log_b, model_b) = run(True), run(False)
+    assert log_a == log_b and log_a[-1]["kl"] > 0
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, q) for p, q in  # the top block did train
+               zip(model_a.blocks[-1].parameters(), start.blocks[-1].parameters()))
+
+
+def test_grpo_logs_the_zero_signal_share_and_kl_without_a_penalty():
+    """zero_signal is the share of a step's groups whose rewards are all equal (here a
+    constant reward: every group); with beta = 0 and a reference the KL is measured."""
+    model, ref = tiny_model(), tiny_model()
+    log = grpo(model, [[1, 2], [3]], lambda i, r: 1.0, steps=2, lr=1e-2, stop_id=0,
+               group_size=3, prompts_per_step=2, max_new_tokens=5, ref_model=ref)
+    assert [row["zero_signal"] for row in log] == [1.0, 1.0]
+    log = grpo(tiny_model(), [[1, 2], [3]], lambda i, r: float(i == 0 and 7 in r),
+               steps=3, lr=1e-2, stop_id=0, group_size=3, prompts_per_step=2,
+               max_new_tokens=5, ref_model=tiny_model(1))
+    assert all(row["kl"] > 0 for row in log)  # a different reference: KL from step 1
+    assert all(row["zero_signal"] in (0.5, 1.0) for row in log)  # prompt 1: always 0
