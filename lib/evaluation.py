@@ -122,10 +122,12 @@ def continuation_logprobs(model: torch.nn.Module, tokenizer,
             for r, i in enumerate(rows):
                 batch[r, :len(seqs[i])] = torch.tensor(seqs[i])
             batch = batch.to(device)
-            logp = F.log_softmax(model(batch[:, :-1])[0].float(), dim=-1)
-            picked = logp.gather(-1, batch[:, 1:, None])[..., 0].double().cpu()
+            # only positions that predict a continuation token need the log-softmax
+            lo = min(len(seqs[i]) - 1 - int(counts[i]) for i in rows)
+            logp = F.log_softmax(model(batch[:, :-1])[0][:, lo:].float(), dim=-1)
+            picked = logp.gather(-1, batch[:, lo + 1:, None])[..., 0].double().cpu()
             for r, i in enumerate(rows):  # the last counts[i] targets of the row
-                end = len(seqs[i]) - 1
+                end = len(seqs[i]) - 1 - lo
                 out[i] = picked[r, end - counts[i]:end].sum()
     return out, counts
 
