@@ -15,7 +15,7 @@ and how sure a score is.
   calibration error.
 - :func:`strict_number` and :func:`last_number`: two rules for reading a number out
   of a generated reply, one that asks for the number alone and one that takes the
-  last number it finds (pages E and F compare them and reward by the first).
+  last number it finds (page E scores by both; page F rewards by the first).
 """
 from __future__ import annotations
 

@@ -16,10 +16,11 @@ A chat model reads a conversation in the format it was tuned on (ChatML for Smol
   log-probabilities are computed once (:func:`response_logprobs`), before training.
 
 Both train with one loop, :func:`finetune` (a loss function of the model and a batch is
-all that differs, so an RL method plugs in the same way): AdamW on whatever parameters of
-the model require gradients (LoRA adapters, see :mod:`lib.lora`), on right-padded
-batches: with causal attention a padded position comes after every real one and changes
-none of them, and its target is :data:`IGNORE`.
+all that differs): AdamW on whatever parameters of the model require gradients (LoRA
+adapters, see :mod:`lib.lora`), on right-padded batches: with causal attention a padded
+position comes after every real one and changes none of them, and its target is
+:data:`IGNORE`. Reinforcement learning (:func:`grpo`, below) has a loop of its own: it
+samples the replies it learns from and takes several updates per batch of samples.
 """
 from __future__ import annotations
 
@@ -204,8 +205,8 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
 
 def finetune(model: nn.Module, data: Sequence, loss_fn: LossFn, steps: int, lr: float,
              batch_size: int = 8, seed: int = 0) -> list[dict[str, float]]:
-    """The fine-tuning loop that SFT, DPO and RL share: ``steps`` AdamW steps on the
-    model's trainable parameters (those with ``requires_grad``, e.g. LoRA adapters).
+    """The fine-tuning loop that SFT and DPO share: ``steps`` AdamW steps on the model's
+    trainable parameters (those with ``requires_grad``, e.g. LoRA adapters).
 
     Each step draws ``batch_size`` items of ``data`` without replacement (a generator
     seeded with ``seed``) and calls ``loss_fn(model, batch)``, which returns the scalar
