@@ -20,7 +20,8 @@ all that differs): AdamW on whatever parameters of the model require gradients (
 adapters, see :mod:`lib.lora`), on right-padded batches: with causal attention a padded
 position comes after every real one and changes none of them, and its target is
 :data:`IGNORE`. Reinforcement learning (:func:`grpo`, below) has a loop of its own: it
-samples the replies it learns from and takes several updates per batch of samples.
+samples the replies it learns from, then takes ``updates`` optimizer steps on each batch
+of samples (one by default).
 """
 from __future__ import annotations
 
