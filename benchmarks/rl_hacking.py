@@ -1,6 +1,7 @@
-"""Reward hacking on page F's task (appendix F, section "Reward hacking"), the arms the
-page has no time for: GRPO on SmolLM2-135M-Instruct for one-digit sums with a reward that
-checks too little, and what a format requirement, a length penalty or no KL penalty does.
+"""Reward hacking on page F's task (appendix F, section "A reward that checks too little"),
+the arms the page has no time for: GRPO on SmolLM2-135M-Instruct for one-digit sums with
+a reward that checks too little, and what a format requirement, a length penalty or no KL
+penalty does.
 
 The setup of page F's hacking run (chapters/A6_rl_verifiable_rewards.ipynb): the 100 sums
 a + b of two digits, shuffled once (random.Random(0)), 60 training prompts and 40 held out;
