@@ -16,7 +16,7 @@ keeps ``--max-new``. Prints, per seed, the steps, the wall time, held-out greedy
 (strict rule) before and after, McNemar's exact test of after against before on the
 held-out items (lib.evaluation.mcnemar_exact) and the seed's strict gains split into
 items whose starting reply already held the right sum in another form (its last number,
-the lenient rule) and items whose starting reply had a wrong number; then the book's
+the lenient rule) and the others (a wrong number or none); then the book's
 verdict (lib.stats.compare) over the seeds, an exact sign test over the items whose
 correctness averaged over the seeds moved, and the load average before and after.
 
@@ -119,7 +119,7 @@ def main() -> None:
         form = sum(start[1][i] for i in gained)
         print(f"  items right only after {only_after}, only before {only_before}, "
               f"McNemar p = {p:.2g}; of the gains, right sum before in another form "
-              f"{form}, wrong number before {len(gained) - form}", flush=True)
+              f"{form}, not the right sum before {len(gained) - form}", flush=True)
     if args.seeds >= 3:
         print("after vs before, over seeds:", compare(after, before))
     change = [sum(r[i] for r in items) / len(items) - start[0][i]
