@@ -197,9 +197,10 @@ def majority_vote(answers: Sequence[object]) -> object:
 
 def strict_number(reply: str) -> int | None:
     """The reply read as one whole number, or None: optional whitespace, an optional
-    minus sign, decimal digits (``\\d``: any script's, as ``int`` reads them), an
-    optional full stop right after them, optional whitespace, nothing else (``" 12."``
-    gives 12; ``"12 ."``, ``"12 apples"`` and ``"5 + 7 = 12"`` give None)."""
+    ASCII minus sign (not U+2212), decimal digits (``\\d``: any script's, as ``int``
+    reads them), an optional full stop right after them, optional whitespace, nothing
+    else (``" 12."`` gives 12; ``"12 ."``, ``"12 apples"`` and ``"5 + 7 = 12"`` give
+    None)."""
     if not isinstance(reply, str):
         raise TypeError(f"reply must be a str, got {type(reply).__name__}")
     found = re.fullmatch(r"\s*(-?\d+)\.?\s*", reply)
@@ -207,10 +208,10 @@ def strict_number(reply: str) -> int | None:
 
 
 def last_number(reply: str) -> int | None:
-    """The last run of decimal digits in the reply, with a minus sign right before it
-    if there is one, as an int; None when the reply has no digit. ``"5 + 7 = 12"``
-    gives 12; it reads no decimals or separators: ``"12.5"`` gives 5, ``"10,000"`` 0
-    and ``"2024-11-26"`` -26."""
+    """The last run of decimal digits (any script's) in the reply, with an ASCII minus
+    sign right before it if there is one, as an int; None when the reply has no digit.
+    ``"5 + 7 = 12"`` gives 12; it reads no decimals or separators: ``"12.5"`` gives 5,
+    ``"10,000"`` 0 and ``"2024-11-26"`` -26."""
     if not isinstance(reply, str):
         raise TypeError(f"reply must be a str, got {type(reply).__name__}")
     found = re.findall(r"-?\d+", reply)

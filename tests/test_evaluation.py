@@ -183,6 +183,9 @@ def test_majority_vote():
     ("-3", -3, -3), (" 5 + 7 = 12", None, 12), ("12 apples", None, 12),
     ("1.5", None, 5), ("", None, None), (" .", None, None), ("twelve", None, None),
     ("0012", 12, 12), ("12\n", 12, 12), ("12..", None, 12), ("3-4", None, -4),
+    # any whitespace, any script's digits, only an ASCII minus sign
+    ("\t12\u3000", 12, 12), ("\n12.\n", 12, 12), ("\u0661\u0662", 12, 12),
+    ("\u221212", None, 12), ("12.5", None, 5), ("10,000", None, 0), ("2024-11-26", None, -26),
 ])
 def test_number_rules_on_written_out_cases(reply, strict, last):
     assert strict_number(reply) == strict
@@ -212,7 +215,7 @@ def _last_number_by_scanning(reply: str):
 def test_number_rules_on_random_replies():
     rng = random.Random(0)
     for _ in range(2000):
-        reply = "".join(rng.choice("0123456789 -.+=ab") for _ in range(rng.randint(0, 9)))
+        reply = "".join(rng.choice("0123456789 -.+=ab\n\t") for _ in range(rng.randint(0, 9)))
         assert last_number(reply) == _last_number_by_scanning(reply), reply
         body = reply.strip()  # then at most one final full stop, then -?digits
         body = body[:-1] if body.endswith(".") else body

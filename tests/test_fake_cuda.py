@@ -117,32 +117,76 @@ def test_a_random_draw_needs_a_generator_of_its_own_device(shim):
         "cuda True True"]
 
 
-def test_the_shortened_emulated_run_matches_the_chapters():
-    """`make devices` trains 12a shorter (SHORTER in tools/fake_cuda_chapters.py): each line it
-    replaces is in exactly one code cell of the chapter as committed, and each assert allowed to
-    fail there (NEEDS_FULL_LENGTH) is a line of the code cell it names."""
-    import nbformat
+@pytest.fixture
+def tool():
+    "tools/fake_cuda_chapters.py (`make devices`) as a module."
     sys.path.insert(0, str(ROOT / "tools"))
     try:
-        import fake_cuda_chapters as tool
+        import fake_cuda_chapters
     finally:
         sys.path.remove(str(ROOT / "tools"))
+    return fake_cuda_chapters
+
+
+def test_the_shortened_emulated_run_matches_the_chapters(tool):
+    """`make devices` trains 12a shorter (SHORTER): each line it replaces is in exactly one code
+    cell of the chapter as committed and is replaced there, and each assert allowed to fail in
+    the shortened run (NEEDS_FULL_LENGTH) is a line of the code cell it names."""
+    import nbformat
     assert set(tool.NEEDS_FULL_LENGTH) <= set(tool.SHORTER)
     for stem, lines in tool.SHORTER.items():
         nb = nbformat.read(ROOT / "chapters" / f"{stem}.ipynb", as_version=4)
         code = {c.get("id"): c.source.splitlines() for c in nb.cells if c.cell_type == "code"}
-        for line in lines:
-            assert sum(line in c for c in code.values()) == 1, line
         for cell_id, (line, _) in tool.NEEDS_FULL_LENGTH.get(stem, {}).items():
             assert line.startswith("assert ") and line in code.get(cell_id, []), cell_id
-            failure = f"Traceback ...\n----> 9 {line}\n"
-            # excused only in a shortened run, only as that assert, never as a device error
-            assert tool.classify(stem, True, (cell_id, "AssertionError", "x", failure))[1] is False
-            assert tool.classify(stem, False, (cell_id, "AssertionError", "x", failure))[1]
-            assert tool.classify(stem, True, (cell_id, "AssertionError", "x", "other line"))[1]
-            assert tool.classify(stem, True, (cell_id, "AssertionError",
-                                              "The values for attribute 'dtype' do not match",
-                                              failure))[1]
-            assert tool.classify(stem, True, (cell_id, "RuntimeError",
-                                              "Expected all tensors to be on the same device",
-                                              failure))[1]
+        tool.shorten(nb, stem)
+        after = [c.source.splitlines() for c in nb.cells if c.cell_type == "code"]
+        for line, new in lines.items():
+            assert sum(line in c for c in code.values()) == 1, line
+            assert not any(line in c for c in after) and sum(new in c for c in after) == 1
+
+
+def _traceback(lines: list[str], raised: int) -> str:
+    "An IPython traceback of a cell whose line `raised` (0-based) raised, in its format."
+    shown = [f"{'---->' if i == raised else '     '} {i + 1} {text}"
+             for i, text in enumerate(lines)]
+    return "\n".join(["-" * 75, "AssertionError   Traceback (most recent call last)",
+                      "Cell In[1], line 2", *shown, "", "AssertionError: "])
+
+
+def test_only_a_named_assert_of_a_shortened_run_is_excused(tool, monkeypatch):
+    stem, (cell_id, (line, _)) = next((s, next(iter(c.items())))
+                                      for s, c in tool.NEEDS_FULL_LENGTH.items())
+    cell = ["x = 1", "assert x.dtype == torch.float32", line]
+    own, before = _traceback(cell, 2), _traceback(cell, 1)  # the line after is shown too
+
+    def fails(shortened, ename, message, traceback, cell=cell_id):
+        return tool.classify(stem, shortened, (cell, ename, message, traceback))[1]
+
+    assert fails(True, "AssertionError", "x", own) is False
+    assert fails(False, "AssertionError", "x", own)  # as written: a failure
+    assert fails(True, "AssertionError", "", before)  # another line of the cell raised
+    assert fails(True, "AssertionError", "x", own, cell="another cell")
+    assert fails(True, "AssertionError", "The values for attribute 'dtype' do not match", own)
+    assert fails(True, "RuntimeError", "Expected all tensors to be on the same device", own)
+    monkeypatch.setitem(tool.KNOWN, stem, {"c1": "needs the CPU stream"})
+    assert fails(False, "ValueError", "x", "", cell="c1") is False
+    assert fails(False, "RuntimeError", "Expected all tensors to be on the same device", "",
+                 cell="c1")  # KNOWN never excuses a device error
+
+
+def test_errors_are_read_from_the_outputs_and_decide_the_exit_code(tool, monkeypatch):
+    import nbformat
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1/0", id="c0")])
+    nb.cells[0].outputs = [nbformat.v4.new_output(
+        "error", ename="ZeroDivisionError", evalue="division by zero",
+        traceback=["\x1b[0;31m----> 1\x1b[0m 1/0", "ZeroDivisionError: division by zero"])]
+    ((index, cell_id, ename, message, traceback),) = tool.errors_of(nb)
+    assert (index, cell_id, ename, message) == (0, "c0", "ZeroDivisionError", "division by zero")
+    assert tool.raised_at(traceback) == "1/0"  # colour codes stripped
+    monkeypatch.setattr(tool.fakecuda, "build_shim", lambda: None)
+    for error, code in ((("c0", "RuntimeError", "Expected all tensors to be on the same device",
+                          ""), 1), (("c0", "ValueError", "x", ""), 1), (None, 0)):
+        found = [(0, *error)] if error else []
+        monkeypatch.setattr(tool, "run", lambda *args, found=found: (1.0, 1.0, found))
+        assert tool.main(["chapters/12a_architecture_training.ipynb"]) == code

@@ -1,6 +1,6 @@
 """Run chapters on emulated CUDA and fail on any device or dtype error.
 
-Usage: python tools/fake_cuda_chapters.py [--capability 7.5] chapters/12a_*.ipynb [...]
+Usage: python tools/fake_cuda_chapters.py [--capability 7.5] [--full] chapters/12a_*.ipynb [...]
 
 Each notebook runs (a copy; the committed file is left alone) in a kernel started with the
 fake-CUDA shim preloaded and ``GPTBOOK_FAKE_CUDA=1``, so ``env.device`` is ``cuda`` (CPU
@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 from tests import fakecuda  # noqa: E402
 
 # What CI runs. Chapters with device-dependent code are 11, 12a and A1 (env.device); no other
-# chapter uses env.device or env.pick. 12a (688 s of kernel CPU at full length, once, on a
-# loaded 2-core machine, 0 errors; with its cell-67 bug back, cell 67 raises the device
-# error) is what fits CI's budget today. A1 was run once by hand (2026-11-26, load ~4: 398 s wall,
-# 271 s of kernel CPU, 0 cells raised); 11 (a long training run) has not been run emulated yet.
+# chapter uses env.device or env.pick. 12a (0 errors; with its cell-67 bug back, cell 67 raises
+# the device error) is what fits CI's budget today. A1 was run once by hand (2026-11-26, load ~4:
+# 398 s wall, 271 s of kernel CPU, 0 cells raised); 11 (a long training run) has not been run
+# emulated yet.
 # Figures go to a temporary folder (GPTBOOK_FIGURES): the emulated run draws different noise,
 # so writing figures/ would change the checkout's files.
 DEFAULT = ["chapters/12a_architecture_training.ipynb"]
@@ -45,8 +45,9 @@ DEVICE_ERROR = re.compile(r"same device|device type|Expected .*(cuda|cpu)|cuda:0
                           r"expected (scalar type|.*dtype)|dtype|BFloat16|Half")
 # The emulated run trains shorter than the chapter: every training step takes the same device path
 # (the ops and dtypes of lib.training.train at 20 and at 100 steps were recorded and are the same
-# set), so 20 steps find what 100 find. For CI's budget: on a loaded 2-core machine the run took
-# 639 s of kernel CPU at full length and 248-264 s shortened (each run still evaluates as often).
+# set), so 20 steps find what 100 find. For CI's budget: on a loaded 2-core machine (2026-11-26)
+# the run took 639 s of kernel CPU at full length and 248-266 s shortened (each run still
+# evaluates as often).
 # {chapter stem: {exact line of a code cell: what replaces it}}; a line not found exactly once
 # fails the run, so an edit of the chapter cannot switch the shortening off unnoticed.
 SHORTER: dict[str, dict[str, str]] = {
@@ -54,15 +55,15 @@ SHORTER: dict[str, dict[str, str]] = {
 }
 # {chapter stem: {cell id: (the assert's line, the claim)}}: asserts about trained models that need
 # the chapter's own training length (nbval checks them on the CPU); in a shortened run only, that
-# line (found in the traceback) may raise its AssertionError, not a device or dtype one.
+# line may raise its AssertionError (the traceback's arrow points at it), not a device or dtype one.
 NEEDS_FULL_LENGTH: dict[str, dict[str, tuple[str, str]]] = {
     "12a_architecture_training": {
         "88127ce4": ('assert busiest.word == "clearly lower than", busiest',
                      "the busiest expert's load, balanced against free routing, over 5 seeds")},
 }
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# {chapter stem: {cell id: why the assert needs the CPU random stream}}; empty today. Never excuses
-# a device or dtype error.
+# {chapter stem: {cell id: why the cell may raise here (e.g. an assert that needs the CPU random
+# stream)}}; empty today. Excuses any error of that cell but a device or dtype one.
 KNOWN: dict[str, dict[str, str]] = {}
 
 
@@ -117,6 +118,12 @@ def run(path: Path, capability: str, timeout: int, full: bool = False
     return seconds, _children_cpu() - cpu, errors_of(nb)
 
 
+def raised_at(traceback: str) -> str | None:
+    "The code line IPython's traceback marks as the one that raised (its last '---->' line)."
+    marked = re.findall(r"^-+> *\d+ (.*?)\s*$", traceback, re.M)
+    return marked[-1].strip() if marked else None
+
+
 def classify(stem: str, shortened: bool, error: tuple[str, str, str, str]
              ) -> tuple[str, bool]:
     """What one cell's error is, and whether it fails the run: a device or dtype error always
@@ -127,7 +134,8 @@ def classify(stem: str, shortened: bool, error: tuple[str, str, str, str]
         return "DEVICE/DTYPE ERROR", True
     if cell_id in KNOWN.get(stem, {}):
         return f"known: {KNOWN[stem][cell_id]}", False
-    if cell_id in claims and ename == "AssertionError" and claims[cell_id][0] in traceback:
+    if (cell_id in claims and ename == "AssertionError"
+            and raised_at(traceback) == claims[cell_id][0]):
         return f"needs the full-length training: {claims[cell_id][1]}", False
     return "error", True
 
