@@ -164,6 +164,7 @@ def test_only_a_named_assert_of_a_shortened_run_is_excused(tool, monkeypatch):
         return tool.classify(stem, shortened, (cell, ename, message, traceback))[1]
 
     assert fails(True, "AssertionError", "x", own) is False
+    assert fails(True, "AssertionError", "x", f"      9 x = 1\n---> 10 {line}\n") is False
     assert fails(False, "AssertionError", "x", own)  # as written: a failure
     assert fails(True, "AssertionError", "", before)  # another line of the cell raised
     assert fails(True, "AssertionError", "x", own, cell="another cell")

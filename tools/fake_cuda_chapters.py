@@ -120,7 +120,7 @@ def run(path: Path, capability: str, timeout: int, full: bool = False
 
 def raised_at(traceback: str) -> str | None:
     "The code line IPython's traceback marks as the one that raised (its last '---->' line)."
-    marked = re.findall(r"^-+> *\d+ (.*?)\s*$", traceback, re.M)
+    marked = re.findall(r"^-*> *\d+ (.*?)\s*$", traceback, re.M)
     return marked[-1].strip() if marked else None
 
 
