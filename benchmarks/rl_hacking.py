@@ -15,7 +15,8 @@ changing one thing from ``contains``:
   (the reward that checks too little);
 - ``strict``: reward 1 when the reply is one whole number equal to a + b
   (:func:`lib.evaluation.strict_number`: the format requirement);
-- ``length``: ``contains`` minus ``--penalty`` per reply token (a length penalty);
+- ``length``: ``contains`` minus ``--penalty`` per reply token, the line break included
+  (a length penalty);
 - ``nokl``: ``contains`` with beta 0 (the KL to the reference measured, not penalised).
 
 Prints per arm and seed the held-out greedy pass@1 by the strict rule and by the contains
