@@ -165,6 +165,8 @@ def test_only_a_named_assert_of_a_shortened_run_is_excused(tool, monkeypatch):
 
     assert fails(True, "AssertionError", "x", own) is False
     assert fails(True, "AssertionError", "x", f"      9 x = 1\n---> 10 {line}\n") is False
+    inner = own + "\nFile lib/stats.py:12, in compare()\n---> 12     assert n > 1\n"
+    assert fails(True, "AssertionError", "", inner)  # raised inside a call on that line
     assert fails(False, "AssertionError", "x", own)  # as written: a failure
     assert fails(True, "AssertionError", "", before)  # another line of the cell raised
     assert fails(True, "AssertionError", "x", own, cell="another cell")
